@@ -1,0 +1,198 @@
+"""One validated settings object: defaults, then a YAML file, then `SCALARLM_*` environment variables.
+
+Loaded once by the entry point (`load_settings()`) and passed down; nothing else reads the environment.
+Nested sections use `__` in env names: `SCALARLM_ENGINE__MAX_MODEL_LEN=1024`. A few common top-level
+keys also have short env names (`SCALARLM_MODEL`, `SCALARLM_HOME`, `SCALARLM_PORT`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, Field, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+
+class ServerSettings(BaseModel):
+    """Where the control plane listens and how it behaves toward clients."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    role: Literal["embedded", "api", "worker"] = "embedded"
+    # In split mode: where a worker finds the control plane, and where the control plane finds workers.
+    api_url: str = "http://127.0.0.1:8000"
+    worker_urls: list[str] = Field(default_factory=list)
+    worker_port: int = Field(8001, ge=0, le=65535)
+    api_keys: list[str] = Field(default_factory=list)
+    allow_insecure_public: bool = False
+    # Admission control for interactive OpenAI requests: in flight beyond factor x max_num_seqs -> 429.
+    admit_factor: float = Field(4.0, gt=0)
+
+
+class EngineSettings(BaseModel):
+    """vLLM engine settings; CPU-safe defaults measured on a 2-core box (see ARCHITECTURE.md)."""
+
+    max_model_len: int = Field(512, ge=16)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    kv_cache_bytes: int = Field(1 << 30, ge=1 << 20)
+    max_num_seqs: int = Field(256, ge=1)
+    enforce_eager: bool = True
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    enable_lora: bool = True
+    max_loras: int = Field(4, ge=1)
+    max_lora_rank: int = Field(16, ge=1)
+    seed: int = 0
+
+
+class GenerateSettings(BaseModel):
+    """Batch queue behaviour."""
+
+    response_timeout: float = Field(60.0, ge=0)
+    default_max_tokens: int = Field(16, ge=1)
+    lease_seconds: float = Field(300.0, gt=0)
+    max_batch_prompts: int = Field(1_000_000, ge=1)
+    max_lease_batch: int = Field(1024, ge=1)
+    poll_interval: float = Field(0.02, gt=0)
+
+
+class UploadSettings(BaseModel):
+    """Limits on request bodies and uploaded files."""
+
+    max_request_bytes: int = Field(512 * 1024 * 1024, ge=1024)
+    max_upload_bytes: int = Field(10 * 1024**3, ge=1024)
+    max_chunk_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+
+
+class TrainingSettings(BaseModel):
+    """Defaults for training jobs launched by this control plane."""
+
+    launcher: Literal["local", "slurm"] = "local"
+    max_train_seconds: int = Field(86400, ge=1)
+    cpu_ranks: int = Field(1, ge=1)
+    gpus_per_node: int = Field(0, ge=0)
+    nodes: int = Field(1, ge=1)
+    poll_seconds: float = Field(1.0, gt=0)
+
+
+class Settings(BaseSettings):
+    """Every knob of scalarlm. Build once with `load_settings()`."""
+
+    model_config = SettingsConfigDict(env_prefix="SCALARLM_", env_nested_delimiter="__", extra="forbid")
+
+    model: str = "./models/tiny"
+    home: Path = Path("./.scalarlm")
+    served_model_name: str | None = None
+    log_level: str = "INFO"
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    generate: GenerateSettings = Field(default_factory=GenerateSettings)
+    upload: UploadSettings = Field(default_factory=UploadSettings)
+    training: TrainingSettings = Field(default_factory=TrainingSettings)
+
+    @field_validator("home")
+    @classmethod
+    def _absolute_home(cls, v: Path) -> Path:
+        return v.expanduser().resolve()
+
+    @property
+    def base_model_name(self) -> str:
+        """The name clients use for the base model."""
+        return self.served_model_name or Path(self.model).name or self.model
+
+    @property
+    def queue_path(self) -> Path:
+        return self.home / "queue.sqlite"
+
+    @property
+    def jobs_dir(self) -> Path:
+        return self.home / "jobs"
+
+
+# Short env names for the settings people set most, mapped to their nested place.
+_SHORTCUTS = {
+    "SCALARLM_HOST": ("server", "host"),
+    "SCALARLM_PORT": ("server", "port"),
+    "SCALARLM_API_KEYS": ("server", "api_keys"),
+    "SCALARLM_MAX_MODEL_LEN": ("engine", "max_model_len"),
+    "SCALARLM_DTYPE": ("engine", "dtype"),
+    "SCALARLM_MAX_NUM_SEQS": ("engine", "max_num_seqs"),
+    "SCALARLM_KV_CACHE_BYTES": ("engine", "kv_cache_bytes"),
+    "SCALARLM_RESPONSE_TIMEOUT": ("generate", "response_timeout"),
+}
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _shortcut_values(environ: dict[str, str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for name, (section, key) in _SHORTCUTS.items():
+        if name in environ:
+            raw: Any = environ[name]
+            if key == "api_keys":
+                raw = [k.strip() for k in raw.split(",") if k.strip()]
+            values.setdefault(section, {})[key] = raw
+    return values
+
+
+class _ShortcutSource(PydanticBaseSettingsSource):
+    """Reads the short env names (`SCALARLM_PORT`, `SCALARLM_API_KEYS`, ...)."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return _shortcut_values(dict(os.environ))
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    """Reads the YAML settings file, if one is named."""
+
+    def __init__(self, settings_cls: type[BaseSettings], path: str | Path | None) -> None:
+        super().__init__(settings_cls)
+        self.path = path
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        if not self.path:
+            return {}
+        loaded = yaml.safe_load(Path(self.path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config file {self.path} must hold a mapping at the top level")
+        return loaded
+
+
+def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Settings:
+    """Build the settings once: defaults < YAML (`config_file` or `SCALARLM_CONFIG`) < env < overrides.
+
+    `overrides` uses the nested shape (`server={"port": 9000}`); CLI flags pass them.
+    """
+    path = config_file or os.environ.get("SCALARLM_CONFIG")
+
+    class _Loaded(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return (init_settings, env_settings, _ShortcutSource(settings_cls), _YamlSource(settings_cls, path))
+
+    loaded = _Loaded(**overrides)
+    return Settings.model_validate(loaded.model_dump())

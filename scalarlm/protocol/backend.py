@@ -1,0 +1,59 @@
+"""The two seams between the control plane and an inference worker, as structural protocols.
+
+`server` and `inference` never import each other: the worker implements `InferenceBackend`
+(the control plane forwards OpenAI requests to it and reads its load), and the control plane
+implements `WorkSource` (the worker's pull loop leases batch work from it). In the embedded
+default both are plain in-process objects; in split mode each has an HTTP implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from scalarlm.protocol.generate import (
+    EngineLoad,
+    FinishWorkRequest,
+    FinishWorkResponse,
+    GetWorkRequest,
+    GetWorkResponse,
+)
+
+OpenAIRoute = Literal["models", "completions", "chat/completions"]
+
+
+@dataclass
+class OpenAIReply:
+    """A worker's answer to one OpenAI request: a JSON body, or an SSE byte stream."""
+
+    status_code: int
+    body: dict[str, Any] | None = None
+    stream: AsyncIterator[bytes] | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@runtime_checkable
+class InferenceBackend(Protocol):
+    """What the control plane needs from an inference worker."""
+
+    async def openai(self, route: OpenAIRoute, body: dict[str, Any]) -> OpenAIReply:
+        """Serve one OpenAI request with vLLM's own OpenAI code (wire format identical to vLLM's)."""
+        ...
+
+    def load(self) -> EngineLoad:
+        """The engine's current load (sequences running/waiting, KV cache use)."""
+        ...
+
+    async def healthy(self) -> bool:
+        """True when the engine answers."""
+        ...
+
+
+@runtime_checkable
+class WorkSource(Protocol):
+    """What a worker's pull loop needs from the control plane's queue."""
+
+    async def get_work(self, request: GetWorkRequest) -> GetWorkResponse: ...
+
+    async def finish_work(self, request: FinishWorkRequest) -> FinishWorkResponse: ...
