@@ -57,3 +57,18 @@ class WorkSource(Protocol):
     async def get_work(self, request: GetWorkRequest) -> GetWorkResponse: ...
 
     async def finish_work(self, request: FinishWorkRequest) -> FinishWorkResponse: ...
+
+
+@runtime_checkable
+class EmbeddedWorker(Protocol):
+    """An inference worker living inside the control plane's process (the embedded default).
+
+    The control plane's lifespan calls `start(source)` once its queue is open (the engine must be
+    built inside the running event loop) and `stop()` on shutdown; `backend` serves OpenAI routes.
+    """
+
+    backend: InferenceBackend
+
+    async def start(self, source: WorkSource) -> None: ...
+
+    async def stop(self) -> None: ...
