@@ -1,0 +1,71 @@
+"""Atomic publish of HF-format checkpoints: `step-<N>.tmp/` renamed to `step-<N>/`, then `latest` updated."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from scalarlm.checkpoint.jobdir import JobDir, atomic_write_text
+from scalarlm.protocol.training import CheckpointManifest
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish_step(job: JobDir, manifest: CheckpointManifest, write: Callable[[Path], None]) -> Path:
+    """Write a checkpoint with `write(tmp_dir)`, add its manifest, rename it into place, point `latest` at it.
+
+    A reader never sees half a checkpoint: until the rename it does not exist under its final name.
+    """
+    final = job.step_dir(manifest.step)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    manifest.created = manifest.created or time.time()
+    atomic_write_text(tmp / "manifest.json", manifest.model_dump_json(indent=1))
+    for f in tmp.iterdir():
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(job.checkpoints_dir)
+    atomic_write_text(job.checkpoints_dir / "latest", f"step-{manifest.step}\n")
+    return final
+
+
+def list_steps(job: JobDir) -> list[int]:
+    """Steps with a complete (renamed, manifest-bearing) checkpoint, ascending."""
+    if not job.checkpoints_dir.exists():
+        return []
+    steps = []
+    for d in job.checkpoints_dir.iterdir():
+        name = d.name
+        if d.is_dir() and name.startswith("step-") and name[5:].isdigit() and (d / "manifest.json").exists():
+            steps.append(int(name[5:]))
+    return sorted(steps)
+
+
+def latest_step(job: JobDir) -> int | None:
+    """The newest complete step named by `checkpoints/latest` (falls back to a directory scan)."""
+    pointer = job.checkpoints_dir / "latest"
+    if pointer.exists():
+        name = pointer.read_text().strip()
+        if name.startswith("step-") and name[5:].isdigit() and (job.checkpoints_dir / name / "manifest.json").exists():
+            return int(name[5:])
+    steps = list_steps(job)
+    return steps[-1] if steps else None
+
+
+def read_manifest(job: JobDir, step: int) -> CheckpointManifest:
+    return CheckpointManifest.model_validate_json((job.step_dir(step) / "manifest.json").read_text())

@@ -1,0 +1,178 @@
+"""Wire models of training jobs: the typed train args, job status, checkpoint manifest and model listing."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Job ids and model names: safe as one path component under $SCALARLM_HOME/jobs.
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+JobState = Literal["QUEUED", "RUNNING", "COMPLETED", "FAILED", "CANCELLED"]
+TERMINAL_STATES: frozenset[str] = frozenset({"COMPLETED", "FAILED", "CANCELLED"})
+
+
+def check_name(value: str, what: str = "name") -> str:
+    """Return `value` if it is a safe job id / model name, else raise ValueError saying why."""
+    if not NAME_PATTERN.match(value) or ".." in value:
+        raise ValueError(f"{what} {value!r} must match {NAME_PATTERN.pattern} (letters, digits, '.', '_', '-')")
+    return value
+
+
+class LoraConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    r: int = Field(8, ge=1, le=256)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+class TrainArgs(BaseModel):
+    """Train args: ScalarLM's keys plus ours. Unknown keys are rejected (400), never silently dropped."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # ScalarLM JobConfig keys.
+    llm_name: str | None = None
+    max_steps: int = Field(100, ge=1, le=10_000_000)
+    learning_rate: float = Field(3e-4, gt=0, le=10)
+    batch_size: int = Field(1, ge=1, le=65_536)
+    gradient_accumulation_steps: int = Field(1, ge=1, le=65_536)
+    gradient_checkpointing: bool = False
+    warmup_steps: int = Field(0, ge=0)
+    max_token_block_size: int | None = Field(None, ge=8)
+    training_mode: Literal["language_model"] = "language_model"
+    distribution_strategy: Literal["ddp", "fsdp", "megatron"] = "megatron"
+    steps_per_checkpoint: int = Field(100, ge=1)
+    gpus: int = Field(0, ge=0, le=4096)
+    nodes: int = Field(1, ge=1, le=1024)
+    adapter_type: Literal["lora", "full", "none", "tokenformer"] = "lora"
+    lora_config: LoraConfig = Field(default_factory=LoraConfig)
+    timeout: int = Field(4 * 3600, ge=1)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    seed: int = 0
+    trust_remote_code: bool = False
+    # Ours.
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    cpu_ranks: int = Field(1, ge=1, le=256, description="ranks when gpus == 0 (CPU/gloo)")
+    launcher: Literal["local", "slurm"] | None = None
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    max_seq_len: int = Field(512, ge=8, le=1_048_576)
+    pack: bool = True
+    shuffle: bool = True
+    steps_per_publish: int | None = Field(None, ge=1)
+    loss: Literal["sft", "grpo", "dr_grpo"] = "sft"
+    kl_coef: float = Field(0.0, ge=0)
+    clip_eps: float = Field(0.2, gt=0)
+
+    @field_validator("llm_name")
+    @classmethod
+    def _no_path_tricks(cls, v: str | None) -> str | None:
+        if v is not None and ("\x00" in v or v.startswith("-")):
+            raise ValueError("llm_name must be a model directory or name")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "TrainArgs":
+        if self.adapter_type == "none":
+            self.adapter_type = "full"  # ScalarLM's name for "train every weight"
+        if self.adapter_type == "tokenformer":
+            raise ValueError("adapter_type 'tokenformer' is not supported; use 'lora' or 'full'")
+        ranks = self.world_size
+        if ranks % self.tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} must divide the number of ranks {ranks}"
+            )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the job runs: one per GPU, or `cpu_ranks` on CPU."""
+        return self.gpus * self.nodes if self.gpus else self.cpu_ranks
+
+    @property
+    def publish_every(self) -> int:
+        return self.steps_per_publish or self.steps_per_checkpoint
+
+
+class TrainJobConfig(BaseModel):
+    """What `jobs/<id>/job.yaml` holds: the validated request as submitted."""
+
+    job_id: str
+    base_model: str
+    train_args: TrainArgs
+    dataset_rows: int = 0
+    created: float = 0.0
+    session: bool = False
+
+    @field_validator("job_id")
+    @classmethod
+    def _safe_id(cls, v: str) -> str:
+        return check_name(v, "job_id")
+
+
+class JobStatus(BaseModel):
+    """`jobs/<id>/status.json`: QUEUED -> RUNNING -> COMPLETED | FAILED | CANCELLED, with the reason."""
+
+    job_id: str
+    status: JobState = "QUEUED"
+    reason: str | None = None
+    step: int = 0
+    max_steps: int = 0
+    loss: float | None = None
+    start_time: float | None = None
+    end_time: float | None = None
+    updated: float | None = None
+    launcher: str | None = None
+    launcher_id: str | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL_STATES
+
+
+class CheckpointManifest(BaseModel):
+    """`checkpoints/step-<N>/manifest.json`: a checkpoint describes itself."""
+
+    job_id: str
+    step: int
+    base_model: str
+    kind: Literal["full", "lora"]
+    created: float = 0.0
+    loss: float | None = None
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+
+class TrainResponse(BaseModel):
+    """POST /v1/megatron/train answer (ScalarLM shape: job_status, job_config, deployed)."""
+
+    job_status: dict[str, Any]
+    job_config: dict[str, Any]
+    deployed: bool = False
+
+
+class ModelEntry(BaseModel):
+    """One servable model in /v1/megatron/list_models (ScalarLM keys plus version)."""
+
+    name: str
+    deployed: bool = False
+    status: str | None = None
+    start_time: float | None = None
+    step: int | None = None
+    max_steps: int | None = None
+    train_time: float | None = None
+    loss: float | None = None
+    version: int = 0
+    kind: Literal["base", "full", "lora"] = "base"
+
+
+class ListModelsResponse(BaseModel):
+    models: list[ModelEntry]
