@@ -1,0 +1,1 @@
+"""The `scalarlm` command line: serve, generate, make-tiny-model."""

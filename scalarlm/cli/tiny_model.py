@@ -1,0 +1,198 @@
+"""Build a tiny random-weight Llama-family model with a locally trained tokenizer.
+
+Tests, the demo and benchmarks need a real Hugging Face checkpoint that transformers, vLLM, PEFT and
+the megatron converter all load, without downloading anything. This writes one in a few seconds:
+random weights (std 0.08, so greedy outputs vary between prompts), float32 safetensors, and a byte-level
+BPE tokenizer trained on a small built-in corpus, with a chat template. Same seed -> same files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Literal
+
+logger = logging.getLogger(__name__)
+
+Family = Literal["llama", "qwen2"]
+
+SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<unk>"]
+# vLLM's CPU attention kernels support only these head sizes.
+SUPPORTED_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 192, 256)
+INIT_STD = 0.08
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+_ENGLISH = """\
+The quick brown fox jumps over the lazy dog. A model learns from data and answers questions.
+What is the capital of France? The capital of France is Paris. What is two plus two? It is four.
+Hello, how are you today? I am fine, thank you. Please write a short story about a cat.
+Once upon a time there was a little cat who lived in a house by the sea with her friends.
+The weather is nice and the sun is shining. We train and serve language models on one cluster.
+Generate, score, train, publish the weights, and generate again with the new weights.
+The user asks a question and the assistant gives a helpful, honest and short answer.
+Numbers: zero one two three four five six seven eight nine ten eleven twelve hundred thousand.
+Count the apples, add the oranges, subtract the pears and multiply by the number of baskets.
+system user assistant question answer reward score step loss learning rate batch prompt token.
+"""
+
+
+def _corpus() -> list[str]:
+    """A small deterministic English + digits + arithmetic corpus for tokenizer training."""
+    lines = [line for line in _ENGLISH.splitlines() if line]
+    for a in range(0, 40):
+        for b in range(0, 40, 3):
+            lines.append(f"{a} + {b} = {a + b}")
+            lines.append(f"{a} * {b} = {a * b}")
+            if a >= b:
+                lines.append(f"What is {a} - {b}? {a - b}")
+    lines.extend(str(n) for n in range(0, 1000, 7))
+    return lines * 2
+
+
+def _build_tokenizer(vocab: int):
+    """Train a byte-level BPE tokenizer of exactly `vocab` entries and wrap it for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab < len(alphabet) + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab must be at least {len(alphabet) + len(SPECIAL_TOKENS)} for a byte-level BPE")
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        min_frequency=1,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    bos_id = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
+    )
+    if tok.get_vocab_size() != vocab:
+        raise ValueError(f"tokenizer corpus too small for vocab={vocab} (got {tok.get_vocab_size()})")
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        model_max_length=1024,
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def _model_config(
+    family: Family,
+    vocab: int,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    intermediate: int,
+    max_position: int,
+    tie_embeddings: bool,
+    token_ids: dict[str, int],
+):
+    """The transformers config for the requested family."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_position,
+        initializer_range=INIT_STD,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie_embeddings,
+        **token_ids,
+    )
+    if family == "llama":
+        return LlamaConfig(head_dim=hidden // heads, attention_bias=False, mlp_bias=False, **common)
+    if family == "qwen2":
+        return Qwen2Config(use_sliding_window=False, **common)
+    raise ValueError(f"unknown family {family!r}; expected 'llama' or 'qwen2'")
+
+
+def _randomize(model, seed: int) -> None:
+    """Fill every weight from one seeded generator so the files depend only on the seed."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+            if "norm" in name:
+                # Non-unit norm weights make a wrong converter mapping show up in logits.
+                param.copy_(1.0 + 0.1 * noise)
+            else:
+                param.copy_(INIT_STD * noise)
+
+
+def make_tiny_model(
+    path: str | Path,
+    layers: int = 2,
+    hidden: int = 128,
+    vocab: int = 512,
+    seed: int = 0,
+    heads: int = 2,
+    kv_heads: int | None = None,
+    family: Family = "llama",
+    intermediate: int | None = None,
+    max_position: int = 1024,
+    tie_embeddings: bool = False,
+) -> Path:
+    """Write a random-weight model + tokenizer to `path` (float32 safetensors) and return the path."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if hidden % heads:
+        raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
+    head_size = hidden // heads
+    if head_size not in SUPPORTED_HEAD_SIZES:
+        raise ValueError(f"head size hidden/heads = {head_size} is not supported by vLLM's CPU attention")
+    kv_heads = heads if kv_heads is None else kv_heads
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be divisible by kv_heads ({kv_heads})")
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _build_tokenizer(vocab)
+    token_ids = {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    config = _model_config(
+        family, len(tokenizer), hidden, layers, heads, kv_heads,
+        intermediate or 2 * hidden, max_position, tie_embeddings, token_ids,
+    )
+    config.dtype = torch.float32
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed)
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "scalarlm_tiny.json").write_text(
+        json.dumps({"family": family, "layers": layers, "hidden": hidden, "vocab": len(tokenizer), "seed": seed})
+    )
+    logger.info("wrote tiny %s model to %s", family, out)
+    return out

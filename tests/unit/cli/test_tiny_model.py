@@ -1,0 +1,72 @@
+"""The tiny model loads in transformers, matches its tokenizer, and renders chats."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from scalarlm.cli.main import main
+from scalarlm.cli.tiny_model import make_tiny_model
+
+
+def test_tiny_model_loads_in_transformers(tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    config = model.config
+    assert config.architectures == ["LlamaForCausalLM"]
+    assert config.hidden_size // config.num_attention_heads == 64
+    assert config.vocab_size == len(tokenizer) == 512
+    assert tokenizer.bos_token == "<s>" and tokenizer.eos_token == "</s>" and tokenizer.pad_token == "<pad>"
+    assert str(next(model.parameters()).dtype) == "torch.float32"
+
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 2?"}], tokenize=False, add_generation_prompt=True
+    )
+    assert "What is 2 + 2?" in text and text.endswith("<|assistant|>\n")
+    ids = tokenizer("What is 12 + 7?").input_ids
+    assert ids[0] == tokenizer.bos_token_id
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "What is 12 + 7?"
+
+
+def test_greedy_outputs_differ_between_prompts(tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    outs = set()
+    for prompt in ("Hello", "What is 3 + 4?", "The capital of France"):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        out = model.generate(ids, max_new_tokens=6, do_sample=False)
+        outs.add(tuple(out[0, ids.shape[1]:].tolist()))
+    assert len(outs) == 3
+
+
+def _digest(path: Path) -> dict[str, str]:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(path.iterdir())}
+
+
+def test_same_seed_same_files_via_cli(tmp_path: Path, tiny_model_dir: Path) -> None:
+    assert main(["make-tiny-model", str(tmp_path / "again")]) == 0
+    assert _digest(tmp_path / "again") == _digest(tiny_model_dir)
+
+
+def test_qwen2_family_has_qkv_bias_and_tied_embeddings(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    path = make_tiny_model(tmp_path / "q", family="qwen2", kv_heads=1, tie_embeddings=True, seed=3)
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"] and config["tie_word_embeddings"] is True
+    with safe_open(path / "model.safetensors", "pt") as f:
+        bias = f.get_tensor("model.layers.0.self_attn.q_proj.bias")
+        assert bias.abs().sum() > 0
+        assert "lm_head.weight" not in f.keys()
+
+
+def test_rejects_unsupported_head_size(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="head size"):
+        make_tiny_model(tmp_path / "bad", hidden=96, heads=4)
