@@ -1,0 +1,51 @@
+"""The job-directory contract: atomic status and checkpoint publish; readers never see half a step."""
+
+import json
+
+import pytest
+
+from scalarlm.checkpoint import JobDir, latest_step, list_steps, publish_step, read_manifest
+from scalarlm.protocol.training import CheckpointManifest, JobStatus
+
+
+def test_status_and_metrics_round_trip(tmp_path):
+    job = JobDir.under(tmp_path, "job-1")
+    job.create()
+    job.write_status(JobStatus(job_id="job-1", status="RUNNING", max_steps=3))
+    job.update_status(step=2, loss=1.5)
+    st = job.read_status()
+    assert (st.status, st.step, st.loss, st.max_steps) == ("RUNNING", 2, 1.5, 3)
+    job.append_metrics({"step": 1, "loss": 2.0})
+    with open(job.metrics_path, "a") as f:
+        f.write('{"step": 2, "lo')  # a line being written right now
+    assert job.read_metrics() == [{"step": 1, "loss": 2.0}]
+
+
+def test_job_ids_cannot_escape_jobs_dir(tmp_path):
+    with pytest.raises(ValueError):
+        JobDir.under(tmp_path, "../etc")
+
+
+def test_publish_is_atomic_and_latest_moves(tmp_path):
+    job = JobDir.under(tmp_path, "j")
+    job.create()
+    assert latest_step(job) is None
+
+    def write(d):
+        (d / "model.safetensors").write_bytes(b"w" * 10)
+        # while writing, the final name does not exist and latest does not name it
+        assert not job.step_dir(5).exists()
+        assert latest_step(job) is None
+
+    publish_step(job, CheckpointManifest(job_id="j", step=5, base_model="b", kind="full"), write)
+    assert latest_step(job) == 5 and list_steps(job) == [5]
+    assert read_manifest(job, 5).kind == "full"
+    assert json.loads((job.step_dir(5) / "manifest.json").read_text())["step"] == 5
+
+    def crash(d):
+        (d / "model.safetensors").write_bytes(b"half")
+        raise RuntimeError("killed mid-write")
+
+    with pytest.raises(RuntimeError):
+        publish_step(job, CheckpointManifest(job_id="j", step=6, base_model="b", kind="full"), crash)
+    assert latest_step(job) == 5 and list_steps(job) == [5]  # the half step is invisible
