@@ -1,0 +1,148 @@
+"""The queue for asyncio callers: SQLite calls run in a thread, and waiters wake when results arrive.
+
+`QueueService` is also the in-process `WorkSource` a worker's pull loop leases from (the embedded
+default); the control plane's `/v1/generate/get_work` and `/finish_work` routes call the same methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from scalarlm.protocol.generate import (
+    FinishWorkRequest,
+    FinishWorkResponse,
+    GenerateResult,
+    GetWorkRequest,
+    GetWorkResponse,
+    ModelVersion,
+    QueueCounts,
+)
+from scalarlm.queue.store import BatchProgress, EnqueuedBatch, RequestQueue, Throughput
+
+logger = logging.getLogger(__name__)
+
+
+class QueueService:
+    """Async facade over `RequestQueue`, implementing the `WorkSource` protocol in-process."""
+
+    def __init__(
+        self,
+        queue: RequestQueue,
+        *,
+        max_lease_batch: int = 1024,
+        idle_wait: float = 0.25,
+        recheck_interval: float = 1.0,
+        models: Callable[[], list[ModelVersion]] = list,
+    ) -> None:
+        self.queue = queue
+        self.max_lease_batch = max_lease_batch
+        self.idle_wait = idle_wait
+        # Waiters re-read SQLite at least this often, so results written by another process are seen.
+        self.recheck_interval = recheck_interval
+        self.models = models
+        self._results_changed = asyncio.Event()
+        self._work_added = asyncio.Event()
+
+    # ---- producers -------------------------------------------------------------------------------
+
+    async def enqueue(self, items: Iterable[dict[str, Any]], model: str) -> EnqueuedBatch:
+        """Store a batch in one transaction (in a thread) and wake idle workers."""
+        batch = await asyncio.to_thread(self.queue.enqueue, items, model)
+        self._pulse("_work_added")
+        return batch
+
+    # ---- WorkSource ------------------------------------------------------------------------------
+
+    async def get_work(self, request: GetWorkRequest) -> GetWorkResponse:
+        """Lease up to the worker's capacity; when idle, wait briefly for new work before answering."""
+        capacity = min(request.capacity, self.max_lease_batch)
+        if request.batch_size is not None and request.capacity == 0:
+            capacity = min(request.batch_size, self.max_lease_batch)  # ScalarLM worker field name
+        items = await asyncio.to_thread(self.queue.lease, capacity, request.worker_id)
+        if not items and capacity > 0 and self.idle_wait > 0:
+            await self._wait_event("_work_added", self.idle_wait)
+            items = await asyncio.to_thread(self.queue.lease, capacity, request.worker_id)
+        return GetWorkResponse(requests=items, lease_seconds=self.queue.lease_seconds, models=self.models())
+
+    async def finish_work(self, request: FinishWorkRequest) -> FinishWorkResponse:
+        """Store results (first per request id wins) and wake everyone waiting for results."""
+        accepted, duplicates = await asyncio.to_thread(self.queue.complete, request.results)
+        self._pulse("_results_changed")
+        return FinishWorkResponse(accepted=accepted, duplicates=duplicates)
+
+    # ---- readers ---------------------------------------------------------------------------------
+
+    async def get(self, request_ids: Sequence[str]) -> list[GenerateResult]:
+        """Current results for these ids (NotFound for an unknown one)."""
+        return await asyncio.to_thread(self.queue.get, request_ids)
+
+    async def wait_results(self, request_ids: Sequence[str], timeout: float) -> list[GenerateResult]:
+        """Long-poll: return once every id is finished or `timeout` seconds have passed."""
+        results = await self.get(request_ids)  # raises NotFound up front
+        total = len(request_ids)
+        await self._wait_until(lambda: self.queue.count_finished(request_ids) >= total, timeout)
+        return await self.get(request_ids)
+
+    async def wait_batch(self, batch_id: str, timeout: float) -> BatchProgress:
+        """Long-poll a batch: return its progress once complete or after `timeout` seconds."""
+
+        def done() -> bool:
+            total, finished = self.queue.batch_counts(batch_id)
+            return finished >= total
+
+        await self._wait_until(done, timeout)
+        return await asyncio.to_thread(self.queue.batch_progress, batch_id)
+
+    async def counts(self) -> QueueCounts:
+        """Items per state."""
+        return await asyncio.to_thread(self.queue.counts)
+
+    async def throughput(self, window_seconds: float) -> Throughput:
+        """Items and tokens finished in the recent window."""
+        return await asyncio.to_thread(self.queue.throughput, window_seconds)
+
+    async def totals(self) -> tuple[int, int]:
+        """(completed items, generated tokens) over everything stored."""
+        return await asyncio.to_thread(self.queue.totals)
+
+    async def clear(self) -> int:
+        """Delete every queued and leased item."""
+        return await asyncio.to_thread(self.queue.clear)
+
+    async def requeue_all_leased(self) -> int:
+        """Return leases held by a dead in-process worker to the queue."""
+        return await asyncio.to_thread(self.queue.requeue_all_leased)
+
+    def close(self) -> None:
+        """Close the SQLite connection."""
+        self.queue.close()
+
+    # ---- waiting ---------------------------------------------------------------------------------
+
+    async def _wait_until(self, check: Callable[[], bool], timeout: float) -> bool:
+        """Re-check (in a thread) on every finish_work and every `recheck_interval`, until true or timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if await asyncio.to_thread(check):
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            await self._wait_event("_results_changed", min(remaining, self.recheck_interval))
+
+    async def _wait_event(self, name: str, timeout: float) -> None:
+        event: asyncio.Event = getattr(self, name)
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    def _pulse(self, name: str) -> None:
+        """Wake current waiters on one event and give later waiters a fresh one."""
+        event: asyncio.Event = getattr(self, name)
+        setattr(self, name, asyncio.Event())
+        event.set()

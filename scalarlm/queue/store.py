@@ -1,0 +1,398 @@
+"""The durable request queue: one SQLite row per prompt, WAL mode, safe across threads and processes.
+
+A batch is inserted in one transaction; workers lease items FIFO, one model per lease, with a
+deadline; results are keyed by request id so the first result wins and a retried item still yields
+exactly one. Nothing lives only in memory: reopening the file after a crash restores every item.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from scalarlm.protocol.errors import InvalidRequest, NotFound
+from scalarlm.protocol.generate import Completion, GenerateResult, QueueCounts, WorkItem, WorkResult
+
+logger = logging.getLogger(__name__)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS items (
+    request_id     TEXT PRIMARY KEY,
+    batch_id       TEXT NOT NULL,
+    idx            INTEGER NOT NULL,
+    model          TEXT NOT NULL,
+    payload        TEXT NOT NULL,
+    state          TEXT NOT NULL DEFAULT 'queued',
+    lease_deadline REAL,
+    worker_id      TEXT,
+    attempts       INTEGER NOT NULL DEFAULT 0,
+    result         TEXT,
+    error          TEXT,
+    tokens         INTEGER,
+    created        REAL NOT NULL,
+    finished       REAL
+);
+CREATE INDEX IF NOT EXISTS items_state_model ON items (state, model);
+CREATE INDEX IF NOT EXISTS items_state ON items (state);
+CREATE INDEX IF NOT EXISTS items_batch ON items (batch_id, state);
+CREATE INDEX IF NOT EXISTS items_finished ON items (finished) WHERE finished IS NOT NULL;
+"""
+
+_FINISHED = ("completed", "failed")
+# SQLite's bound-parameter limit is large in 3.40, but small chunks keep statements cheap to plan.
+_IN_CHUNK = 500
+
+
+@dataclass(frozen=True)
+class EnqueuedBatch:
+    """What `enqueue` stored: the batch id and how many items it holds."""
+
+    batch_id: str
+    count: int
+
+    @property
+    def request_ids(self) -> list[str]:
+        """Every request id of the batch, in prompt order."""
+        return [request_id_for(self.batch_id, i) for i in range(self.count)]
+
+
+@dataclass(frozen=True)
+class BatchProgress:
+    """How far one batch has got: its size, finished items, and the results stored so far."""
+
+    batch_id: str
+    total: int
+    finished: int
+    results: dict[str, GenerateResult]
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Items and generated tokens finished within a recent window, and the span they cover."""
+
+    requests: int
+    tokens: int
+    seconds: float
+
+
+def request_id_for(batch_id: str, idx: int) -> str:
+    """ScalarLM's request id shape: `<batch_id>_<idx:09d>`."""
+    return f"{batch_id}_{idx:09d}"
+
+
+def new_batch_id() -> str:
+    """A random hex batch id (no underscore, so ids split cleanly on the last `_`)."""
+    return secrets.token_hex(16)
+
+
+class RequestQueue:
+    """Durable FIFO of prompts in one SQLite file; every public method is one transaction."""
+
+    def __init__(self, path: str | Path, lease_seconds: float = 300.0) -> None:
+        self.path = Path(path)
+        self.lease_seconds = lease_seconds
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # One connection shared by threads, serialised by a lock; other processes are kept out by
+        # SQLite's own locking (BEGIN IMMEDIATE + busy timeout).
+        self._conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
+        self._lock = threading.Lock()
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=NORMAL")
+        self._conn.execute("PRAGMA busy_timeout=30000")
+        self._conn.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        """Close the connection (the file keeps everything)."""
+        with self._lock:
+            self._conn.close()
+
+    # ---- writing -------------------------------------------------------------------------------
+
+    def enqueue(self, items: Iterable[dict[str, Any]], model: str) -> EnqueuedBatch:
+        """Store a whole batch in one transaction; `items` may be a generator (read once, lazily).
+
+        Each item is the payload to hand a worker (`prompt` or `messages`, and `sampling`); an item
+        may carry its own `model` key, which overrides `model` for that row. An exception raised
+        while iterating `items` rolls the whole batch back.
+        """
+        batch_id = new_batch_id()
+        now = time.time()
+        counter = _Counter()
+
+        def rows() -> Iterator[tuple[str, str, int, str, str, float]]:
+            for idx, item in enumerate(items):
+                counter.count = idx + 1
+                row_model = item.get("model") or model
+                body = {k: v for k, v in item.items() if k != "model"}
+                payload = json.dumps(body, separators=(",", ":"))
+                yield request_id_for(batch_id, idx), batch_id, idx, row_model, payload, now
+
+        with self._transaction() as cur:
+            cur.executemany(
+                "INSERT INTO items (request_id, batch_id, idx, model, payload, created) VALUES (?,?,?,?,?,?)",
+                rows(),
+            )
+            if counter.count == 0:
+                raise InvalidRequest("a batch needs at least one prompt", param="prompts")
+        logger.info("enqueued batch %s: %d items for %s", batch_id, counter.count, model)
+        return EnqueuedBatch(batch_id, counter.count)
+
+    def lease(self, capacity: int, worker_id: str, now: float | None = None) -> list[WorkItem]:
+        """Lease up to `capacity` queued items of one model (the oldest item's), FIFO, with a deadline."""
+        if capacity <= 0:
+            return []
+        now = time.time() if now is None else now
+        if not self._has_leasable(now):
+            return []  # the common idle poll: a read, no write lock
+        with self._transaction() as cur:
+            self._expire(cur, now)
+            oldest = cur.execute(
+                "SELECT model FROM items WHERE state='queued' ORDER BY rowid LIMIT 1"
+            ).fetchone()
+            if oldest is None:
+                return []
+            rows = cur.execute(
+                "SELECT rowid, request_id, model, payload FROM items WHERE state='queued' AND model=? "
+                "ORDER BY rowid LIMIT ?",
+                (oldest[0], capacity),
+            ).fetchall()
+            cur.executemany(
+                "UPDATE items SET state='leased', lease_deadline=?, worker_id=?, attempts=attempts+1 "
+                "WHERE rowid=?",
+                ((now + self.lease_seconds, worker_id, row[0]) for row in rows),
+            )
+        return [_work_item(request_id, model, payload) for _, request_id, model, payload in rows]
+
+    def complete(self, results: Sequence[WorkResult], now: float | None = None) -> tuple[int, int]:
+        """Store results; the first result per request id wins. Returns (accepted, duplicates)."""
+        now = time.time() if now is None else now
+        accepted = 0
+        with self._transaction() as cur:
+            for result in results:
+                state, body, tokens = _finished_row(result)
+                cur.execute(
+                    "UPDATE items SET state=?, result=?, error=?, tokens=?, finished=?, lease_deadline=NULL "
+                    "WHERE request_id=? AND state IN ('queued', 'leased')",
+                    (state, body, result.error, tokens, now, result.request_id),
+                )
+                accepted += cur.rowcount
+        duplicates = len(results) - accepted
+        if duplicates:
+            logger.info("ignored %d duplicate or unknown results", duplicates)
+        return accepted, duplicates
+
+    def requeue_all_leased(self) -> int:
+        """Return every leased item to the queue (the workers holding them died with this process)."""
+        with self._transaction() as cur:
+            cur.execute("UPDATE items SET state='queued', lease_deadline=NULL, worker_id=NULL WHERE state='leased'")
+            count = cur.rowcount
+        if count:
+            logger.info("requeued %d leased items left by a previous process", count)
+        return count
+
+    def expire_leases(self, now: float | None = None) -> int:
+        """Return items whose lease deadline has passed to the queue; returns how many."""
+        with self._transaction() as cur:
+            return self._expire(cur, time.time() if now is None else now)
+
+    def clear(self) -> int:
+        """Delete every queued and leased item (ScalarLM's clear_queue); returns how many."""
+        with self._transaction() as cur:
+            cur.execute("DELETE FROM items WHERE state IN ('queued', 'leased')")
+            return cur.rowcount
+
+    def purge_finished(self, older_than: float) -> int:
+        """Delete finished items whose results were stored before the `older_than` timestamp."""
+        with self._transaction() as cur:
+            cur.execute("DELETE FROM items WHERE finished IS NOT NULL AND finished < ?", (older_than,))
+            return cur.rowcount
+
+    # ---- reading -------------------------------------------------------------------------------
+
+    def get(self, request_ids: Sequence[str]) -> list[GenerateResult]:
+        """Results (finished or not) in the order asked; an unknown id raises NotFound naming it."""
+        found: dict[str, GenerateResult] = {}
+        with self._lock:
+            for start in range(0, len(request_ids), _IN_CHUNK):
+                chunk = list(request_ids[start : start + _IN_CHUNK])
+                marks = ",".join("?" * len(chunk))
+                for row in self._conn.execute(
+                    f"SELECT request_id, model, state, result, error FROM items WHERE request_id IN ({marks})", chunk
+                ):
+                    found[row[0]] = _result(*row)
+        for request_id in request_ids:
+            if request_id not in found:
+                raise NotFound(f"unknown request id {request_id!r}", param="request_ids")
+        return [found[request_id] for request_id in request_ids]
+
+    def count_finished(self, request_ids: Sequence[str]) -> int:
+        """How many of these request ids are completed or failed."""
+        total = 0
+        with self._lock:
+            for start in range(0, len(request_ids), _IN_CHUNK):
+                chunk = list(request_ids[start : start + _IN_CHUNK])
+                marks = ",".join("?" * len(chunk))
+                total += self._conn.execute(
+                    f"SELECT COUNT(*) FROM items WHERE request_id IN ({marks}) AND state IN ('completed','failed')",
+                    chunk,
+                ).fetchone()[0]
+        return total
+
+    def batch_counts(self, batch_id: str) -> tuple[int, int]:
+        """(total, finished) items of one batch; NotFound for an unknown batch id."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT state, COUNT(*) FROM items WHERE batch_id=? GROUP BY state", (batch_id,)
+            ).fetchall()
+        if not rows:
+            raise NotFound(f"unknown batch id {batch_id!r}", param="request_id")
+        by_state = dict(rows)
+        return sum(by_state.values()), sum(by_state.get(s, 0) for s in _FINISHED)
+
+    def batch_progress(self, batch_id: str) -> BatchProgress:
+        """A batch's size, finished count and every result so far (unfinished ones have no response)."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT request_id, model, state, result, error FROM items WHERE batch_id=? ORDER BY idx",
+                (batch_id,),
+            ).fetchall()
+        if not rows:
+            raise NotFound(f"unknown batch id {batch_id!r}", param="request_id")
+        results = {row[0]: _result(*row) for row in rows}
+        finished = sum(1 for row in rows if row[2] in _FINISHED)
+        return BatchProgress(batch_id, len(rows), finished, results)
+
+    def counts(self) -> QueueCounts:
+        """Items per state."""
+        with self._lock:
+            rows = self._conn.execute("SELECT state, COUNT(*) FROM items GROUP BY state").fetchall()
+        return QueueCounts(**dict(rows))
+
+    def throughput(self, window_seconds: float, now: float | None = None) -> Throughput:
+        """Items and generated tokens finished in the last `window_seconds` (for requests/s, tokens/s)."""
+        now = time.time() if now is None else now
+        with self._lock:
+            count, tokens, first = self._conn.execute(
+                "SELECT COUNT(*), COALESCE(SUM(tokens), 0), MIN(finished) FROM items "
+                "WHERE finished IS NOT NULL AND finished >= ?",
+                (now - window_seconds,),
+            ).fetchone()
+        seconds = max(now - first, 1.0) if first is not None else window_seconds
+        return Throughput(count, tokens, seconds)
+
+    def totals(self) -> tuple[int, int]:
+        """(completed items, generated tokens) over everything still stored."""
+        with self._lock:
+            count, tokens = self._conn.execute(
+                "SELECT COUNT(*), COALESCE(SUM(tokens), 0) FROM items WHERE state='completed'"
+            ).fetchone()
+        return count, tokens
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _has_leasable(self, now: float) -> bool:
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT EXISTS(SELECT 1 FROM items WHERE state='queued') "
+                "OR EXISTS(SELECT 1 FROM items WHERE state='leased' AND lease_deadline < ?)",
+                (now,),
+            ).fetchone()
+        return bool(row[0])
+
+    def _expire(self, cur: sqlite3.Cursor, now: float) -> int:
+        cur.execute(
+            "UPDATE items SET state='queued', lease_deadline=NULL, worker_id=NULL "
+            "WHERE state='leased' AND lease_deadline < ?",
+            (now,),
+        )
+        if cur.rowcount:
+            logger.warning("%d leases expired; items returned to the queue", cur.rowcount)
+        return cur.rowcount
+
+    def _transaction(self) -> "_Transaction":
+        return _Transaction(self._conn, self._lock)
+
+
+class _Counter:
+    count = 0
+
+
+class _Transaction:
+    """`BEGIN IMMEDIATE` under the connection lock; commit on success, roll back on any error."""
+
+    def __init__(self, conn: sqlite3.Connection, lock: threading.Lock) -> None:
+        self.conn = conn
+        self.lock = lock
+
+    def __enter__(self) -> sqlite3.Cursor:
+        self.lock.acquire()
+        try:
+            self.cur = self.conn.cursor()
+            self.cur.execute("BEGIN IMMEDIATE")
+        except BaseException:
+            self.lock.release()
+            raise
+        return self.cur
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        try:
+            self.cur.execute("COMMIT" if exc_type is None else "ROLLBACK")
+        finally:
+            self.lock.release()
+
+
+def _work_item(request_id: str, model: str, payload: str) -> WorkItem:
+    data = json.loads(payload)
+    return WorkItem(
+        request_id=request_id,
+        model=model,
+        prompt=data.get("prompt"),
+        messages=data.get("messages"),
+        sampling=data.get("sampling") or {},
+    )
+
+
+def _finished_row(result: WorkResult) -> tuple[str, str, int]:
+    """The state, stored JSON and generated-token count for one worker result."""
+    outputs = result.outputs or []
+    tokens = sum(len(o.token_ids) for o in outputs)
+    body = {
+        "model": result.model,
+        "version": result.version,
+        "prompt_tokens": result.prompt_tokens,
+        "outputs": [o.model_dump(exclude_defaults=True) for o in outputs],
+    }
+    state = "failed" if result.error is not None or not outputs else "completed"
+    return state, json.dumps(body, separators=(",", ":")), tokens
+
+
+def _result(request_id: str, model: str, state: str, result: str | None, error: str | None) -> GenerateResult:
+    """Build the wire result for one row."""
+    if result is None:
+        return GenerateResult(request_id=request_id, status=state, model=model, error=error)
+    body = json.loads(result)
+    outputs = [Completion.model_validate(o) for o in body.get("outputs", [])]
+    first = outputs[0] if outputs else None
+    if state == "failed" and error is None:
+        error = "the worker returned no output"
+    return GenerateResult(
+        request_id=request_id,
+        response=first.text if first is not None and state == "completed" else None,
+        error=error,
+        status=state,
+        model=body.get("model") or model,
+        version=body.get("version"),
+        finish_reason=first.finish_reason if first is not None else None,
+        prompt_tokens=body.get("prompt_tokens"),
+        completion_tokens=sum(len(o.token_ids) for o in outputs),
+        logprobs=first.logprobs if first is not None else None,
+        outputs=outputs,
+    )
