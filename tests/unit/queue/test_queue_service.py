@@ -1,0 +1,93 @@
+"""QueueService: the in-process WorkSource and long-poll waits, on a real SQLite file."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from scalarlm.protocol.backend import WorkSource
+from scalarlm.protocol.errors import NotFound
+from scalarlm.protocol.generate import Completion, FinishWorkRequest, GetWorkRequest, ModelVersion, WorkResult
+from scalarlm.queue import QueueService, RequestQueue
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> QueueService:
+    svc = QueueService(
+        RequestQueue(tmp_path / "q.sqlite", lease_seconds=60),
+        max_lease_batch=8,
+        idle_wait=0.05,
+        models=lambda: [ModelVersion(name="m")],
+    )
+    yield svc
+    svc.close()
+
+
+def done(item_id: str, text: str) -> WorkResult:
+    return WorkResult(request_id=item_id, model="m", outputs=[Completion(text=text)])
+
+
+async def test_is_a_work_source_and_caps_leases(service: QueueService) -> None:
+    assert isinstance(service, WorkSource)
+    batch = await service.enqueue([{"prompt": str(i)} for i in range(20)], "m")
+    reply = await service.get_work(GetWorkRequest(worker_id="w", capacity=100))
+    assert len(reply.requests) == 8 and reply.lease_seconds == 60 and reply.models[0].name == "m"
+    finish = await service.finish_work(FinishWorkRequest(results=[done(r.request_id, "x") for r in reply.requests]))
+    assert (finish.accepted, finish.duplicates) == (8, 0)
+    again = await service.finish_work(FinishWorkRequest(results=[done(reply.requests[0].request_id, "y")]))
+    assert (again.accepted, again.duplicates) == (0, 1)
+    assert (await service.get(batch.request_ids[:1]))[0].response == "x"
+
+
+async def test_idle_get_work_answers_empty_after_a_short_wait(service: QueueService) -> None:
+    reply = await service.get_work(GetWorkRequest(capacity=4))
+    assert reply.requests == []
+
+
+async def test_idle_get_work_wakes_when_work_arrives(tmp_path: Path) -> None:
+    svc = QueueService(RequestQueue(tmp_path / "q.sqlite"), idle_wait=30)
+    pending = asyncio.create_task(svc.get_work(GetWorkRequest(capacity=4)))
+    await asyncio.sleep(0.05)
+    start = time.monotonic()
+    await svc.enqueue([{"prompt": "hi"}], "m")
+    reply = await asyncio.wait_for(pending, 10)
+    assert [r.prompt for r in reply.requests] == ["hi"]
+    assert time.monotonic() - start < 10
+    svc.close()
+
+
+async def test_wait_results_returns_as_soon_as_all_are_finished(service: QueueService) -> None:
+    batch = await service.enqueue([{"prompt": "a"}, {"prompt": "b"}], "m")
+
+    async def worker() -> None:
+        items = (await service.get_work(GetWorkRequest(capacity=2))).requests
+        for item in items:
+            await asyncio.sleep(0.05)
+            await service.finish_work(FinishWorkRequest(results=[done(item.request_id, item.prompt.upper())]))
+
+    task = asyncio.create_task(worker())
+    start = time.monotonic()
+    results = await service.wait_results(batch.request_ids, timeout=60)
+    assert [r.response for r in results] == ["A", "B"]
+    assert time.monotonic() - start < 30  # woke on finish_work, not at the timeout
+    await task
+
+
+async def test_wait_results_gives_partial_results_at_timeout(service: QueueService) -> None:
+    batch = await service.enqueue([{"prompt": "a"}, {"prompt": "b"}], "m")
+    items = (await service.get_work(GetWorkRequest(capacity=1))).requests
+    await service.finish_work(FinishWorkRequest(results=[done(items[0].request_id, "A")]))
+    results = await service.wait_results(batch.request_ids, timeout=0.1)
+    assert [r.response for r in results] == ["A", None]
+    progress = await service.wait_batch(batch.batch_id, timeout=0.1)
+    assert (progress.total, progress.finished) == (2, 1)
+
+
+async def test_unknown_ids_raise_not_found(service: QueueService) -> None:
+    with pytest.raises(NotFound):
+        await service.wait_results(["missing_000000000"], timeout=1)
+    with pytest.raises(NotFound):
+        await service.wait_batch("missing", timeout=1)
