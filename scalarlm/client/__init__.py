@@ -1,0 +1,10 @@
+"""The scalarlm client (httpx). Imports only scalarlm.protocol: `pip install scalarlm` is enough."""
+
+from scalarlm.client.async_client import AsyncScalarLM
+from scalarlm.client.errors import GenerationFailed
+from scalarlm.client.sync_client import ScalarLM
+
+# ScalarLM's SDK name for the same client.
+SupermassiveIntelligence = ScalarLM
+
+__all__ = ["AsyncScalarLM", "GenerationFailed", "ScalarLM", "SupermassiveIntelligence"]

@@ -1,0 +1,84 @@
+"""ScalarLM: the blocking client (safe inside a running event loop, e.g. Jupyter)."""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from scalarlm.client import flows
+from scalarlm.client.connection import auth_headers, resolve_api_key, resolve_api_url
+from scalarlm.client.payloads import PromptInput
+from scalarlm.client.transport import run_sync
+from scalarlm.protocol.generate import GenerateResult
+
+DEFAULT_TIMEOUT = 60.0
+
+
+class ScalarLM:
+    """Talks to a scalarlm (or ScalarLM) server: batch generate, health, models, queue metrics."""
+
+    def __init__(self, api_url: str | None = None, api_key: str | None = None,
+                 timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.api_url = resolve_api_url(api_url)
+        self._http = httpx.Client(
+            base_url=self.api_url, headers=auth_headers(resolve_api_key(api_key)), timeout=timeout
+        )
+
+    def _run(self, flow: flows.Flow) -> Any:
+        return run_sync(self._http, flow)
+
+    def generate(self, prompts: PromptInput | list[PromptInput], model_name: str | None = None,
+                 max_tokens: int | None = None, return_details: bool = False,
+                 progress: bool | None = None, **sampling: Any) -> list[str] | list[GenerateResult]:
+        """Generate for every prompt and return the texts in prompt order (or full results).
+
+        Prompts are strings, chat conversations (lists of {"role", "content"}), or dicts with
+        "prompt" or "messages". Sampling kwargs: temperature, top_p, top_k, n, stop, seed, logprobs, ...
+        """
+        return self._run(flows.generate(prompts, model_name, max_tokens, return_details, progress, sampling))
+
+    def submit_generate(self, prompts: PromptInput | list[PromptInput], model_name: str | None = None,
+                        max_tokens: int | None = None, **sampling: Any) -> list[str]:
+        """Queue prompts without waiting; return their request ids."""
+        return self._run(flows.submit(prompts, model_name, max_tokens, sampling))
+
+    def get_results(self, request_ids: list[str], wait_seconds: float | None = 0) -> list[GenerateResult]:
+        """Current results for these ids (unfinished ones have response None)."""
+        return self._run(flows.get_results(request_ids, wait_seconds))
+
+    def health(self) -> dict[str, Any]:
+        """GET /v1/health: {"api", "vllm", "all"} each "up", "down" or "starting"."""
+        return self._run(flows.get_json("/v1/health"))
+
+    def list_models(self) -> dict[str, Any]:
+        """The models the server knows (ScalarLM's list, or OpenAI's /v1/models)."""
+        return self._run(flows.list_models())
+
+    def metrics(self) -> dict[str, Any]:
+        """GET /v1/generate/metrics: queue counts and throughput."""
+        return self._run(flows.get_json("/v1/generate/metrics"))
+
+    def clear_queue(self) -> dict[str, Any]:
+        """Drop every queued, unfinished request."""
+        return self._run(flows.post_json("/v1/generate/clear_queue"))
+
+    def get_gpu_count(self) -> int:
+        """Accelerators available to training."""
+        return self._run(flows.count("/v1/megatron/gpu_count", "gpu_count"))
+
+    def get_node_count(self) -> int:
+        """Nodes available to training."""
+        return self._run(flows.count("/v1/megatron/node_count", "node_count"))
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> "ScalarLM":
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
