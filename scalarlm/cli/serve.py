@@ -1,0 +1,81 @@
+"""`scalarlm serve`: wire the control plane, the in-process worker, or a split-mode worker, and run it."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from typing import Any
+
+from scalarlm.config import Settings
+
+logger = logging.getLogger(__name__)
+
+GRACEFUL_SHUTDOWN_SECONDS = 10
+
+
+class InsecureExposure(SystemExit):
+    """Refusal to listen beyond loopback without API keys."""
+
+
+def is_loopback(host: str) -> bool:
+    """True when `host` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(settings: Settings) -> None:
+    """Refuse a non-loopback listener without API keys unless explicitly allowed."""
+    server = settings.server
+    if is_loopback(server.host) or server.api_keys or server.allow_insecure_public:
+        return
+    raise InsecureExposure(
+        f"refusing to listen on {server.host} without API keys: anyone who can reach this port could use "
+        "and retrain the model. Set SCALARLM_API_KEYS=key1,key2 (clients send `Authorization: Bearer key1`), "
+        "or pass --allow-insecure-public if the network is trusted."
+    )
+
+
+def build_app(settings: Settings) -> Any:
+    """The control plane's ASGI app: with an in-process worker (embedded) or forwarding to workers (api)."""
+    from scalarlm.server.app import create_app
+
+    if settings.server.role == "api":
+        return create_app(settings)
+    from scalarlm.inference.process_env import configure_vllm_process_env
+
+    configure_vllm_process_env()
+    from scalarlm.inference.worker import InProcessWorker
+
+    return create_app(settings, worker=InProcessWorker(settings))
+
+
+def serve(settings: Settings) -> int:
+    """Run the role named in settings until SIGTERM/SIGINT; return the exit status."""
+    logging.getLogger().setLevel(settings.log_level.upper())
+    check_exposure(settings)
+    if settings.server.role == "worker":
+        from scalarlm.inference.process_env import configure_vllm_process_env
+
+        configure_vllm_process_env()
+        from scalarlm.inference.worker_app import run_worker
+
+        result = run_worker(settings)
+        return int(result or 0)
+
+    import uvicorn
+
+    app = build_app(settings)
+    logger.info("serving %s (%s) on http://%s:%d", settings.model, settings.server.role,
+                settings.server.host, settings.server.port)
+    uvicorn.run(
+        app,
+        host=settings.server.host,
+        port=settings.server.port,
+        log_level=settings.log_level.lower(),
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+    )
+    return 0
