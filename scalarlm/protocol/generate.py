@@ -82,6 +82,28 @@ class Completion(BaseModel):
 RequestStatus = Literal["queued", "leased", "completed", "failed"]
 
 
+class UploadItem(SamplingParams):
+    """One element of the JSON list sent to POST /v1/generate/upload (ScalarLM's SDK writes
+    `prompt`, `model`, `max_tokens`, `request_type`); sampling fields may be set per item."""
+
+    prompt: Prompt | None = None
+    messages: list[ChatMessage] | None = None
+    model: str | None = None
+    request_type: str | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> "UploadItem":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("each item needs exactly one of 'prompt' or 'messages'")
+        return self
+
+    def prompt_object(self) -> PromptObject:
+        """The item's prompt as a PromptObject (a nested {"prompt"|"messages"} is unwrapped)."""
+        if isinstance(self.prompt, PromptObject):
+            return self.prompt
+        return PromptObject(prompt=self.prompt, messages=self.messages)
+
+
 class GenerateResult(BaseModel):
     """One prompt's result. `response` stays null until it is done (ScalarLM's SDK polls on that)."""
 
