@@ -53,7 +53,7 @@ def _add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every subcommand."""
-    parser = argparse.ArgumentParser(prog="scalarlm", description=__doc__)
+    parser = argparse.ArgumentParser(prog="scalarlm", description="scalarlm: train and serve LLMs on one cluster.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_generate(sub)
