@@ -1,0 +1,104 @@
+"""The `Launcher` protocol and the launch record a job directory keeps so any control plane can find its process."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+from typing import Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, Field
+
+from scalarlm.checkpoint import JobDir
+from scalarlm.checkpoint.jobdir import atomic_write_text
+from scalarlm.protocol.training import TrainJobConfig
+
+RunState = Literal["running", "finished", "unknown"]
+
+# The trainer writes CANCELLED instead of FAILED on SIGTERM when this file exists.
+CANCEL_FILE = "cancel.requested"
+RECORD_FILE = "launcher.json"
+LAUNCHER_LOG = "launcher.log"
+
+
+class LaunchRecord(BaseModel):
+    """`jobs/<id>/launcher.json`: who launched the job and how to find it again after a restart."""
+
+    launcher: Literal["local", "slurm"]
+    launcher_id: str
+    host: str = Field(default_factory=socket.gethostname)
+    pid: int | None = None
+    # Process start time in clock ticks since boot (/proc/<pid>/stat field 22): guards against pid reuse.
+    start_ticks: int | None = None
+    command: list[str] = Field(default_factory=list)
+    submitted: float = 0.0
+
+
+def write_record(job: JobDir, record: LaunchRecord) -> None:
+    """Persist the launch record atomically."""
+    atomic_write_text(job.root / RECORD_FILE, record.model_dump_json(indent=1))
+
+
+def read_record(job: JobDir) -> LaunchRecord | None:
+    """The launch record, or None when the job was never handed to a launcher."""
+    path = job.root / RECORD_FILE
+    if not path.exists():
+        return None
+    try:
+        return LaunchRecord.model_validate(json.loads(path.read_text()))
+    except (ValueError, OSError):
+        return None
+
+
+def cancel_requested(job: JobDir) -> bool:
+    """True once a user asked to cancel the job."""
+    return (job.root / CANCEL_FILE).exists()
+
+
+def request_cancel(job: JobDir) -> None:
+    """Leave the marker the trainer reads on SIGTERM (so it reports CANCELLED, not FAILED)."""
+    (job.root / CANCEL_FILE).write_text("cancel requested\n")
+
+
+def read_logs(job: JobDir, max_bytes: int = 1 << 20) -> str:
+    """The launcher's own output followed by each rank's log, each cut to its last `max_bytes`."""
+    parts = []
+    paths = [job.logs_dir / LAUNCHER_LOG] + sorted(job.logs_dir.glob("rank-*.log")) if job.logs_dir.exists() else []
+    for path in paths:
+        if not path.is_file():
+            continue
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            text = f.read().decode("utf-8", errors="replace")
+        parts.append(f"==> {path.name} <==\n{text}")
+    return "\n".join(parts)
+
+
+@runtime_checkable
+class Launcher(Protocol):
+    """Starts trainer processes for job directories, reports on them and stops them."""
+
+    name: str
+
+    def submit(self, job: JobDir, config: TrainJobConfig) -> str:
+        """Start the trainer on `job`; return the launcher's id for it (pid or SLURM job id)."""
+        ...
+
+    def state(self, job: JobDir) -> tuple[RunState, str | None]:
+        """Whether the job's processes still run, with a reason when they finished or are unknown."""
+        ...
+
+    def cancel(self, job: JobDir) -> None:
+        """Stop the job: the trainer saves state and the status ends CANCELLED."""
+        ...
+
+    def logs(self, job: JobDir) -> str:
+        """The job's output so far."""
+        ...
+
+
+def log_path(job: JobDir) -> Path:
+    """Where the launcher sends the trainer's stdout and stderr."""
+    return job.logs_dir / LAUNCHER_LOG

@@ -1,0 +1,162 @@
+"""`LocalLauncher`: the trainer as a subprocess of this machine, one plain process or `mpirun -n <ranks>`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+from scalarlm.checkpoint import JobDir
+from scalarlm.config import Settings
+from scalarlm.launcher.base import (
+    LaunchRecord,
+    RunState,
+    log_path,
+    read_logs,
+    read_record,
+    request_cancel,
+    write_record,
+)
+from scalarlm.launcher.process import is_alive, signal_group, start_ticks
+from scalarlm.protocol.errors import EngineUnavailable
+from scalarlm.protocol.training import TrainJobConfig
+
+logger = logging.getLogger(__name__)
+
+TRAINER_ENTRY: tuple[str, ...] = ("-m", "scalarlm.training")
+
+
+def free_port() -> int:
+    """A TCP port free right now on loopback (for torch.distributed's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalLauncher:
+    """Runs `python -m scalarlm.training <job_dir>` here; several ranks go through Open MPI's `mpirun`."""
+
+    name = "local"
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        python: str = sys.executable,
+        entry: Sequence[str] = TRAINER_ENTRY,
+        grace_seconds: float = 30.0,
+    ) -> None:
+        self.settings = settings
+        self.python = python
+        self.entry = list(entry)
+        self.grace_seconds = grace_seconds
+        # Our own children, so their exit codes are known and they do not linger as zombies.
+        self._children: dict[str, subprocess.Popen[bytes]] = {}
+
+    def command(self, job: JobDir, config: TrainJobConfig) -> list[str]:
+        """The command line that runs the job's ranks."""
+        trainer = [self.python, *self.entry, str(job.root)]
+        ranks = config.train_args.world_size
+        if ranks == 1:
+            return trainer
+        mpirun = shutil.which("mpirun")
+        if mpirun is None:
+            raise EngineUnavailable(f"a job with {ranks} ranks needs Open MPI's mpirun, which is not installed")
+        cmd = [mpirun, "-n", str(ranks), "--bind-to", "none"]
+        if config.train_args.gpus == 0 or ranks > (os.cpu_count() or 1):
+            cmd.append("--oversubscribe")  # CPU ranks may outnumber the cores Open MPI counts as slots
+        for var in ("MASTER_ADDR", "MASTER_PORT", "PYTHONPATH"):
+            cmd += ["-x", var]
+        return cmd + trainer
+
+    def _environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("PYTHONPATH", "")
+        env["MASTER_ADDR"] = "127.0.0.1"
+        env["MASTER_PORT"] = str(free_port())
+        env["PYTHONUNBUFFERED"] = "1"
+        if os.geteuid() == 0:  # Open MPI refuses root without these
+            env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
+            env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
+        return env
+
+    def submit(self, job: JobDir, config: TrainJobConfig) -> str:
+        """Start the job's processes in a new session (so cancel can signal the whole group)."""
+        cmd = self.command(job, config)
+        job.logs_dir.mkdir(parents=True, exist_ok=True)
+        with open(log_path(job), "ab") as out:
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=self._environment(), start_new_session=True,
+            )  # fmt: skip
+        self._children[job.job_id] = proc
+        record = LaunchRecord(
+            launcher="local", launcher_id=str(proc.pid), pid=proc.pid,
+            start_ticks=start_ticks(proc.pid), command=cmd, submitted=time.time(),
+        )  # fmt: skip
+        write_record(job, record)
+        logger.info("job %s: started pid %d: %s", job.job_id, proc.pid, " ".join(cmd))
+        return record.launcher_id
+
+    def state(self, job: JobDir) -> tuple[RunState, str | None]:
+        """Running while the launched process lives; finished with its exit code when known."""
+        record = read_record(job)
+        if record is None or record.pid is None:
+            return "unknown", "the job was never started by a launcher"
+        child = self._children.get(job.job_id)
+        if child is not None:
+            code = child.poll()
+            if code is None:
+                return "running", None
+            return "finished", f"trainer process {record.pid} {describe_exit(code)}"
+        if record.host != socket.gethostname():
+            return "unknown", f"the job was launched on host {record.host}, not this one"
+        if is_alive(record.pid, record.start_ticks):
+            return "running", None
+        return "finished", f"trainer process {record.pid} exited"
+
+    def _wait_gone(self, job: JobDir, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.state(job)[0] != "running":
+                return True
+            time.sleep(0.1)
+        return self.state(job)[0] != "running"
+
+    def cancel(self, job: JobDir) -> None:
+        """Ask the trainer to stop (SIGTERM to its group, it saves state), SIGKILL after the grace period."""
+        request_cancel(job)
+        record = read_record(job)
+        if record is not None and record.pid is not None and self.state(job)[0] == "running":
+            signal_group(record.pid, signal.SIGTERM)
+            if not self._wait_gone(job, self.grace_seconds):
+                logger.warning("job %s: no exit %.0f s after SIGTERM, sending SIGKILL", job.job_id, self.grace_seconds)
+                signal_group(record.pid, signal.SIGKILL)
+                self._wait_gone(job, 10.0)
+        mark_cancelled(job)
+
+    def logs(self, job: JobDir) -> str:
+        return read_logs(job)
+
+
+def describe_exit(code: int) -> str:
+    """'exited with code 3' or 'was killed by SIGKILL'."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def mark_cancelled(job: JobDir) -> None:
+    """Status CANCELLED unless the trainer already wrote a final status."""
+    status = job.read_status() if job.status_path.exists() else None
+    if status is None or not status.terminal:
+        job.update_status(status="CANCELLED", reason="cancelled by user", end_time=time.time())

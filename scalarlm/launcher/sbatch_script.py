@@ -1,0 +1,117 @@
+"""The sbatch script a SLURM job runs: resources from the train args, then the trainer under `srun --mpi=pmix`."""
+
+from __future__ import annotations
+
+import math
+import shlex
+from dataclasses import dataclass
+from string import Template
+
+from scalarlm.config import Settings
+from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.protocol.training import TrainJobConfig
+
+# Seconds before the time limit at which SLURM sends SIGTERM so the trainer saves its state.
+SIGNAL_LEAD_SECONDS = 120
+
+SBATCH_TEMPLATE = Template(
+    """#!/bin/bash
+#SBATCH --job-name=scalarlm-${job_id}
+#SBATCH --nodes=${nodes}
+${task_lines}
+#SBATCH --time=${minutes}
+#SBATCH --signal=B:TERM@${signal_lead}
+#SBATCH --output=${log}
+#SBATCH --open-mode=append
+#SBATCH --chdir=${chdir}
+#SBATCH --export=ALL
+# scalarlm job ${job_id}: ${ranks} ranks, tensor_parallel_size=${tp}, data_parallel_size=${dp}
+
+set -u
+export MASTER_ADDR="$$(scontrol show hostnames "$$SLURM_JOB_NODELIST" | head -n 1)"
+export MASTER_PORT=${port}
+export PYTHONUNBUFFERED=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+
+# --signal=B:TERM reaches only this shell: pass it on so every rank checkpoints before the limit.
+forward_term() { kill -TERM "$$child" 2>/dev/null; }
+trap forward_term TERM
+
+${launch} ${trainer} &
+child=$$!
+wait "$$child"
+rc=$$?
+# `wait` returns early when the trap fires; keep waiting for the ranks to finish saving.
+while kill -0 "$$child" 2>/dev/null; do
+    wait "$$child"
+    rc=$$?
+done
+exit $$rc
+"""
+)
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What the job asks SLURM for."""
+
+    nodes: int
+    ranks: int
+    gpus_per_node: int
+    tasks_per_node: int | None
+    minutes: int
+
+
+def resources(config: TrainJobConfig, settings: Settings) -> Resources:
+    """Nodes, ranks, GPUs per node and a whole-minute time limit for `config`; InvalidRequest if they cannot fit."""
+    args = config.train_args
+    limit = settings.training.gpus_per_node
+    if args.gpus and limit and args.gpus > limit:
+        raise InvalidRequest(f"gpus {args.gpus} exceeds the {limit} GPUs of a node", param="gpus")
+    if args.gpus and args.tensor_parallel_size > args.gpus:
+        raise InvalidRequest(
+            f"tensor_parallel_size {args.tensor_parallel_size} must fit in one node's {args.gpus} GPUs",
+            param="tensor_parallel_size",
+        )
+    seconds = min(args.timeout, settings.training.max_train_seconds) + SIGNAL_LEAD_SECONDS + 60
+    return Resources(
+        nodes=args.nodes,
+        ranks=args.world_size,
+        gpus_per_node=args.gpus,
+        tasks_per_node=args.gpus or None,
+        minutes=math.ceil(seconds / 60),
+    )
+
+
+def render_sbatch(
+    config: TrainJobConfig, settings: Settings, *, job_root: str, log: str, python: str,
+    entry: list[str], launch: str = "srun", port: int = 29500,
+) -> str:  # fmt: skip
+    """The sbatch script text; `launch` is 'srun' (srun --mpi=pmix) or 'mpirun'."""
+    res = resources(config, settings)
+    if res.gpus_per_node:
+        task_lines = f"#SBATCH --ntasks-per-node={res.tasks_per_node}\n#SBATCH --gres=gpu:{res.gpus_per_node}"
+    else:
+        task_lines = f"#SBATCH --ntasks={res.ranks}"
+    if launch == "srun":
+        launcher = "srun --mpi=pmix --kill-on-bad-exit=1"
+    elif launch == "mpirun":
+        launcher = f"mpirun -n {res.ranks} --bind-to none -x MASTER_ADDR -x MASTER_PORT"
+    else:
+        raise ValueError(f"launch must be 'srun' or 'mpirun', not {launch!r}")
+    tp = config.train_args.tensor_parallel_size
+    return SBATCH_TEMPLATE.substitute(
+        job_id=config.job_id,
+        nodes=res.nodes,
+        task_lines=task_lines,
+        minutes=res.minutes,
+        signal_lead=SIGNAL_LEAD_SECONDS,
+        log=shlex.quote(log),
+        chdir=shlex.quote(job_root),
+        ranks=res.ranks,
+        tp=tp,
+        dp=res.ranks // tp,
+        port=port,
+        launch=launcher,
+        trainer=shlex.join([python, *entry, job_root]),
+    )
