@@ -1,0 +1,77 @@
+"""The sbatch script SlurmLauncher submits: resources from gpus/nodes/TP, signal before the limit, srun --mpi=pmix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from scalarlm.config import Settings
+from scalarlm.launcher import SlurmLauncher
+from scalarlm.protocol.errors import InvalidRequest
+
+
+def directives(script: str) -> dict[str, str]:
+    out = {}
+    for line in script.splitlines():
+        if line.startswith("#SBATCH --"):
+            key, _, value = line[len("#SBATCH --") :].partition("=")
+            out[key] = value
+    return out
+
+
+def test_gpu_job_asks_for_gpus_per_node_on_every_node(settings, new_job):
+    job, config = new_job(gpus=4, nodes=2, tensor_parallel_size=2, timeout=3600)
+    script = SlurmLauncher(settings).script(job, config)
+
+    d = directives(script)
+    assert d["nodes"] == "2"
+    assert d["ntasks-per-node"] == "4"
+    assert d["gres"] == "gpu:4"
+    assert d["signal"] == "B:TERM@120"
+    assert d["time"] == str((3600 + 120 + 60) // 60)  # room for the final checkpoint after the signal
+    assert d["output"] == str(job.logs_dir / "launcher.log")
+    assert "8 ranks, tensor_parallel_size=2, data_parallel_size=4" in script
+    assert f"srun --mpi=pmix --kill-on-bad-exit=1 {sys.executable} -m scalarlm.training {job.root}" in script
+    assert "trap forward_term TERM" in script
+
+
+def test_cpu_job_asks_for_tasks_and_no_gpus(settings, new_job):
+    job, config = new_job(cpu_ranks=2)
+    d = directives(SlurmLauncher(settings).script(job, config))
+    assert d["ntasks"] == "2"
+    assert "gres" not in d and "ntasks-per-node" not in d
+
+
+def test_time_limit_is_capped_by_the_server_setting(tmp_path, new_job):
+    settings = Settings(home=tmp_path / "home", training={"max_train_seconds": 600})
+    job, config = new_job(timeout=10 * 3600)
+    assert directives(SlurmLauncher(settings).script(job, config))["time"] == str((600 + 180) // 60)
+
+
+def test_mpirun_inside_the_allocation(settings, new_job):
+    job, config = new_job(cpu_ranks=2)
+    script = SlurmLauncher(settings, launch="mpirun").script(job, config)
+    assert "mpirun -n 2 --bind-to none -x MASTER_ADDR -x MASTER_PORT" in script
+    assert "OMPI_ALLOW_RUN_AS_ROOT=1" in script
+
+
+def test_tensor_parallel_group_must_fit_in_a_node(settings, new_job):
+    job, config = new_job(gpus=2, nodes=2, tensor_parallel_size=4)
+    with pytest.raises(InvalidRequest, match="tensor_parallel_size 4"):
+        SlurmLauncher(settings).script(job, config)
+
+
+def test_gpus_beyond_a_node_are_refused(tmp_path, new_job):
+    settings = Settings(home=tmp_path / "home", training={"gpus_per_node": 8})
+    job, config = new_job(gpus=16)
+    with pytest.raises(InvalidRequest, match="gpus 16"):
+        SlurmLauncher(settings).script(job, config)
+
+
+def test_script_is_valid_bash(settings, new_job, tmp_path):
+    job, config = new_job(gpus=8, nodes=4, tensor_parallel_size=8)
+    path = tmp_path / "sbatch.sh"
+    path.write_text(SlurmLauncher(settings).script(job, config))
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
