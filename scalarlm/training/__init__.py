@@ -1,0 +1,9 @@
+"""The trainer: megatron-core engine, data, SFT loop and the `python -m scalarlm.training <job_dir>` entry.
+
+Importing this package (and `scalarlm.training.rows`) does not import torch: the control plane uses
+`validate_dataset` to reject bad rows at submission time.
+"""
+
+from scalarlm.training.rows import validate_dataset
+
+__all__ = ["validate_dataset"]

@@ -1,0 +1,161 @@
+"""Process-group setup: rank discovery (mpirun, torchrun, one plain process), torch.distributed, megatron TP/DP.
+
+Ranks come from Open MPI (`OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK`), from torchrun (`RANK/WORLD_SIZE/LOCAL_RANK`),
+or default to a single rank. The rendezvous address is `MASTER_ADDR/MASTER_PORT` when set; under mpirun without
+them, rank 0 picks its host name and a free port and broadcasts them over MPI. The backend is NCCL on GPUs (RCCL is
+NCCL on ROCm) and gloo on CPU. DP = world size / TP.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.training.cpu_compat import activate_if_no_accelerator
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, as the launcher told it."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    under_mpi: bool = False
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """The initialised layout of this rank: device, TP and DP coordinates and groups."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    tp_size: int
+    tp_rank: int
+    dp_size: int
+    dp_rank: int
+    tp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def launch_env_from(environ: Mapping[str, str]) -> LaunchEnv:
+    """Read the launcher's variables (Open MPI first, then torchrun's); one plain process otherwise."""
+    addr = environ.get("MASTER_ADDR") or None
+    port = int(environ["MASTER_PORT"]) if environ.get("MASTER_PORT") else None
+    if "OMPI_COMM_WORLD_RANK" in environ:
+        return LaunchEnv(
+            rank=int(environ["OMPI_COMM_WORLD_RANK"]),
+            world_size=int(environ["OMPI_COMM_WORLD_SIZE"]),
+            local_rank=int(environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")),
+            master_addr=addr,
+            master_port=port,
+            under_mpi=True,
+        )
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        return LaunchEnv(
+            rank=int(environ["RANK"]),
+            world_size=int(environ["WORLD_SIZE"]),
+            local_rank=int(environ.get("LOCAL_RANK", "0")),
+            master_addr=addr,
+            master_port=port,
+        )
+    return LaunchEnv(master_addr=addr, master_port=port)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _rendezvous(env: LaunchEnv) -> tuple[str, int]:
+    """The TCP store address: from the environment, else agreed over MPI, else loopback for one rank."""
+    if env.master_addr and env.master_port:
+        return env.master_addr, env.master_port
+    if env.world_size == 1:
+        return "127.0.0.1", _free_port()
+    if not env.under_mpi:
+        raise InvalidRequest("MASTER_ADDR and MASTER_PORT must be set for a multi-rank job outside mpirun")
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != env.world_size:
+        raise RuntimeError(f"MPI world size {comm.Get_size()} != OMPI_COMM_WORLD_SIZE {env.world_size}")
+    proposal = None
+    if env.rank == 0:
+        host = env.master_addr or socket.gethostname()
+        proposal = (socket.gethostbyname(host), env.master_port or _free_port())
+    addr, port = comm.bcast(proposal, root=0)
+    return addr, int(port)
+
+
+def init_parallel(env: LaunchEnv, tensor_parallel_size: int, seed: int, timeout_s: float = 1800) -> Parallel:
+    """Start torch.distributed and megatron's model-parallel state for this rank."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if env.world_size % tensor_parallel_size:
+        raise InvalidRequest(
+            f"tensor_parallel_size {tensor_parallel_size} must divide the world size {env.world_size}"
+        )
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        activate_if_no_accelerator()
+        device = torch.device("cpu")
+    addr, port = _rendezvous(env)
+    backend = "nccl" if on_gpu else "gloo"
+    logger.info("rank %d/%d: %s rendezvous at %s:%d", env.rank, env.world_size, backend, addr, port)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{addr}:{port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel_size,
+        create_gloo_process_groups=on_gpu,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return Parallel(
+        rank=env.rank,
+        world_size=env.world_size,
+        device=device,
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
+        dp_group=parallel_state.get_data_parallel_group(),
+    )
+
+
+def shutdown_parallel() -> None:
+    """Tear down megatron's groups and the default process group (safe to call twice)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
