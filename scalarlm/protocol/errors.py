@@ -72,6 +72,13 @@ class PayloadTooLarge(ScalarLMError):
     error_type = "payload_too_large"
 
 
+class ChecksumMismatch(ScalarLMError):
+    """An uploaded chunk or file does not match its declared SHA-256 (the ScalarLM SDK retries on 422)."""
+
+    status_code = 422
+    error_type = "checksum_mismatch"
+
+
 class QueueFull(ScalarLMError):
     """Beyond capacity: try again after `retry_after` seconds."""
 
@@ -86,7 +93,10 @@ class EngineUnavailable(ScalarLMError):
 
 ERRORS_BY_STATUS: dict[int, type[ScalarLMError]] = {
     cls.status_code: cls
-    for cls in (InvalidRequest, Unauthorized, Forbidden, NotFound, Conflict, PayloadTooLarge, QueueFull, EngineUnavailable)
+    for cls in (
+        InvalidRequest, Unauthorized, Forbidden, NotFound, Conflict, PayloadTooLarge, ChecksumMismatch, QueueFull,
+        EngineUnavailable,
+    )  # fmt: skip
 }
 
 

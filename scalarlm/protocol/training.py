@@ -176,3 +176,52 @@ class ModelEntry(BaseModel):
 
 class ListModelsResponse(BaseModel):
     models: list[ModelEntry]
+
+
+class TrainingJobResponse(TrainResponse):
+    """GET /v1/megatron/train/{job_id}: status (with ScalarLM's loss `history`), config, checkpoints, last metrics."""
+
+    checkpoints: list[int] = Field(default_factory=list)
+    metrics_count: int = 0
+    last_metrics: dict[str, Any] | None = None
+
+
+class UploadInitRequest(BaseModel):
+    """POST /v1/megatron/upload/init, as the ScalarLM SDK sends it for archives above its single-POST threshold."""
+
+    total_size: int = Field(ge=1)
+    total_hash: str = Field(pattern=r"^[0-9a-fA-F]{64}$")
+    chunk_size: int = Field(ge=1)
+    num_chunks: int = Field(ge=1)
+    compressed: bool = True
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class UploadInitResponse(BaseModel):
+    """The session id and the chunks already received (a re-sent init resumes the same upload)."""
+
+    upload_id: str
+    received_chunks: list[int] = Field(default_factory=list)
+
+
+class UploadChunkResponse(BaseModel):
+    upload_id: str
+    chunk_index: int
+    received_chunks: int
+
+
+class UploadFinalizeRequest(BaseModel):
+    upload_id: str
+
+
+class DeleteJobResponse(BaseModel):
+    job_id: str
+    deleted: bool = True
+
+
+class GpuCountResponse(BaseModel):
+    gpu_count: int
+
+
+class NodeCountResponse(BaseModel):
+    node_count: int
