@@ -1,0 +1,112 @@
+"""The control plane: `create_app(settings, worker=None)` builds the FastAPI app.
+
+Its lifespan opens the durable queue, then either starts the in-process worker (embedded default)
+and uses its backend, or (role `api`) forwards OpenAI requests to the workers in
+`settings.server.worker_urls` over HTTP. This package never imports vLLM, torch, or the inference
+and training packages: engines are reached only through the protocols of `scalarlm.protocol.backend`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from scalarlm.config import Settings
+from scalarlm.protocol.backend import EmbeddedWorker
+from scalarlm.queue import QueueService, RequestQueue
+from scalarlm.server.admission import Admission
+from scalarlm.server.body_limit import BodyLimitMiddleware
+from scalarlm.server.deps import ServerState
+from scalarlm.server.errors import install_error_handlers
+from scalarlm.server.models import ModelCatalog
+from scalarlm.server.prompt_check import PromptChecker
+from scalarlm.server.remote_backend import RemoteBackend
+from scalarlm.server.routers import generate, health, metrics, openai
+from scalarlm.server.telemetry import HttpMetricsMiddleware, ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+UPLOAD_PATH = "/v1/generate/upload"
+
+
+def create_app(settings: Settings, worker: EmbeddedWorker | None = None) -> FastAPI:
+    """Build the control plane app; `worker` is the in-process worker of the embedded default."""
+    state = ServerState(
+        settings=settings,
+        metrics=ServerMetrics(),
+        catalog=ModelCatalog(settings),
+        admission=Admission(settings.server.admit_factor),
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with _running(state, worker):
+            yield
+
+    app = FastAPI(title="scalarlm", version="0.1.0", lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+    for router in (generate.router, openai.router, health.router, metrics.router):
+        app.include_router(router)
+    # Outermost first: count every answer, including 413s from the body limit.
+    app.add_middleware(
+        BodyLimitMiddleware,
+        default_limit=settings.upload.max_request_bytes,
+        limits={UPLOAD_PATH: settings.upload.max_upload_bytes},
+    )
+    app.add_middleware(HttpMetricsMiddleware, metrics=state.metrics)
+    return app
+
+
+@asynccontextmanager
+async def _running(state: ServerState, worker: EmbeddedWorker | None) -> AsyncIterator[None]:
+    """Open the queue and the engine side for the app's lifetime; close them in reverse order."""
+    settings = state.settings
+    settings.home.mkdir(parents=True, exist_ok=True)
+    queue = await asyncio.to_thread(RequestQueue, settings.queue_path, settings.generate.lease_seconds)
+    state.queue = QueueService(
+        queue,
+        max_lease_batch=settings.generate.max_lease_batch,
+        models=state.catalog.versions,
+    )
+    remote: RemoteBackend | None = None
+    worker_started = False
+    try:
+        state.prompts = await asyncio.to_thread(
+            PromptChecker.from_model_dir, settings.model, settings.engine.max_model_len
+        )
+        if worker is not None:
+            # The in-process worker that held these leases died with the previous process.
+            await state.queue.requeue_all_leased()
+            await worker.start(state.queue)
+            worker_started = True
+            state.backend = worker.backend
+        elif settings.server.worker_urls:
+            remote = RemoteBackend(settings.server.worker_urls, default_max_num_seqs=settings.engine.max_num_seqs)
+            await remote.start()
+            state.backend = remote
+        state.backend_started = True
+        state.metrics.bind(queue, state.backend.load if state.backend is not None else None)
+        logger.info("control plane ready: queue %s, %s", settings.queue_path, _describe(worker, settings))
+        yield
+    finally:
+        state.backend = None
+        if worker_started:
+            await worker.stop()
+        if remote is not None:
+            await remote.close()
+        state.metrics.bind(None, None)
+        state.queue.close()
+        state.queue = None
+
+
+def _describe(worker: EmbeddedWorker | None, settings: Settings) -> str:
+    if worker is not None:
+        return "embedded worker"
+    if settings.server.worker_urls:
+        return f"workers at {', '.join(settings.server.worker_urls)}"
+    return "no inference worker (OpenAI routes answer 503)"

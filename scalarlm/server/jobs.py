@@ -1,0 +1,281 @@
+"""The training-job registry: submit (validate, write `jobs/<id>/`, launch), describe, cancel, delete, reconcile.
+
+Job directories are the only record: any control plane pointed at the same `$SCALARLM_HOME` sees the
+same jobs, and `reconciling()` settles jobs whose processes died (on start and every poll period).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import shutil
+import threading
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from scalarlm.checkpoint import JobDir, latest_step, list_steps, read_manifest
+from scalarlm.config import Settings
+from scalarlm.launcher import Launcher, default_launchers, extract_dataset, read_record, reconcile, validate_rows
+from scalarlm.launcher.local import mark_cancelled
+from scalarlm.protocol.errors import InvalidRequest, NotFound, ScalarLMError
+from scalarlm.protocol.training import (
+    NAME_PATTERN,
+    DeleteJobResponse,
+    JobStatus,
+    ListModelsResponse,
+    ModelEntry,
+    TrainArgs,
+    TrainingJobResponse,
+    TrainJobConfig,
+    TrainResponse,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def new_job_id() -> str:
+    """A fresh id for every submission (resubmitting the same data and args trains again)."""
+    return f"job-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(4)}"
+
+
+def parse_train_args(params: str | dict[str, Any] | None) -> TrainArgs:
+    """Validate train args; 400 naming the unknown key or the field with a wrong value."""
+    if isinstance(params, str):
+        try:
+            params = json.loads(params) if params.strip() else {}
+        except json.JSONDecodeError as e:
+            raise InvalidRequest(f"params is not valid JSON: {e.msg}", param="params") from None
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise InvalidRequest("params must be a JSON object of train args", param="params")
+    try:
+        return TrainArgs.model_validate(params)
+    except ValidationError as e:
+        raise _describe(e) from None
+
+
+def _describe(error: ValidationError) -> InvalidRequest:
+    parts, first = [], None
+    for err in error.errors()[:5]:
+        key = ".".join(str(p) for p in err["loc"])
+        first = first or key or "params"
+        if err["type"] == "extra_forbidden":
+            parts.append(f"unknown train arg {key!r}")
+        elif key:
+            parts.append(f"train arg {key!r}: {err['msg']} (got {err.get('input')!r})")
+        else:
+            parts.append(f"train args: {err['msg']}")
+    return InvalidRequest("; ".join(parts), param=first)
+
+
+def history(job: JobDir) -> list[dict[str, Any]]:
+    """ScalarLM's `history`: {step, loss, time} per metrics row (its SDK plots this)."""
+    return [
+        {"step": row["step"], "loss": row.get("loss"), "time": row.get("time")}
+        for row in job.read_metrics()
+        if "step" in row
+    ]
+
+
+class TrainingJobs:
+    """Training jobs under `settings.jobs_dir`, launched through the configured launchers."""
+
+    def __init__(self, settings: Settings, launchers: Mapping[str, Launcher] | None = None) -> None:
+        self.settings = settings
+        self.launchers = dict(launchers) if launchers is not None else default_launchers(settings)
+        # Held while a job goes from QUEUED-on-disk to launched, and while reconciling, so the sweep never
+        # mistakes a job being launched for one whose launch was lost.
+        self._lock = threading.Lock()
+
+    @property
+    def uploads_dir(self) -> Path:
+        return self.settings.home / "uploads"
+
+    # --- submission -------------------------------------------------------------------------------
+
+    def base_model_for(self, llm_name: str | None) -> str:
+        """The model a job starts from: the served base model, or a finished full-weight job's checkpoint."""
+        settings = self.settings
+        base = Path(settings.model)
+        names = {settings.model, settings.base_model_name, str(base.resolve()) if base.exists() else settings.model}
+        if llm_name is None or llm_name in names:
+            return str(base.resolve()) if base.exists() else settings.model
+        if NAME_PATTERN.match(llm_name) and (settings.jobs_dir / llm_name).is_dir():
+            job = JobDir.under(settings.jobs_dir, llm_name)
+            step = latest_step(job)
+            if step is not None and read_manifest(job, step).kind == "full":
+                return str(job.step_dir(step))
+            raise InvalidRequest(
+                f"llm_name {llm_name!r} has no full-weight checkpoint to train from", param="llm_name"
+            )
+        raise InvalidRequest(
+            f"unknown model {llm_name!r}: this server trains {settings.base_model_name!r} "
+            "or a job id with a full-weight checkpoint",
+            param="llm_name",
+        )
+
+    def launcher_for(self, args: TrainArgs) -> Launcher:
+        name = args.launcher or self.settings.training.launcher
+        launcher = self.launchers.get(name)
+        if launcher is None:
+            raise InvalidRequest(f"launcher {name!r} is not available on this server", param="launcher")
+        return launcher
+
+    def submit(self, upload: Path, params: str | dict[str, Any] | None) -> TrainResponse:
+        """Validate args, dataset and model; write `jobs/<id>/`; launch. Any error leaves no job behind."""
+        args = parse_train_args(params)
+        base_model = self.base_model_for(args.llm_name)
+        launcher = self.launcher_for(args)
+        job = JobDir.under(self.settings.jobs_dir, new_job_id())
+        job.create()
+        try:
+            extract_dataset(upload, job.dataset_path, self.settings.upload.max_upload_bytes)
+            rows = validate_rows(job.dataset_path)
+            config = TrainJobConfig(
+                job_id=job.job_id, base_model=base_model, train_args=args, dataset_rows=rows, created=time.time()
+            )
+            job.write_config(config)
+            with self._lock:
+                job.write_status(JobStatus(job_id=job.job_id, max_steps=args.max_steps, launcher=launcher.name))
+                launcher_id = launcher.submit(job, config)
+                status = job.update_status(launcher_id=launcher_id)
+        except ScalarLMError:
+            shutil.rmtree(job.root, ignore_errors=True)
+            raise
+        logger.info("job %s: %d rows, base %s, launched by %s as %s", job.job_id, rows, base_model,
+                    launcher.name, launcher_id)  # fmt: skip
+        return TrainResponse(
+            job_status=self._status_body(job, status), job_config=self._config_body(job, config), deployed=False
+        )
+
+    # --- reading ----------------------------------------------------------------------------------
+
+    def job(self, job_id: str) -> JobDir:
+        """The job's directory; NotFound for an unknown (or unsafe) id."""
+        if not NAME_PATTERN.match(job_id) or ".." in job_id:
+            raise NotFound(f"training job {job_id!r} does not exist", param="job_id")
+        job = JobDir.under(self.settings.jobs_dir, job_id)
+        if not job.status_path.exists():
+            raise NotFound(f"training job {job_id!r} does not exist", param="job_id")
+        return job
+
+    def _status_body(self, job: JobDir, status: JobStatus) -> dict[str, Any]:
+        body = status.model_dump(mode="json")
+        body.update(job_directory=str(job.root), model_name=job.job_id)
+        return body
+
+    def _config_body(self, job: JobDir, config: TrainJobConfig) -> dict[str, Any]:
+        body = config.model_dump(mode="json")
+        body["job_directory"] = str(job.root)
+        return body
+
+    def describe(self, job_id: str) -> TrainingJobResponse:
+        """Status (with loss history), config, published checkpoints and the latest metrics row."""
+        job = self.job(job_id)
+        metrics = job.read_metrics()
+        status = self._status_body(job, job.read_status())
+        status["history"] = history(job)
+        steps = list_steps(job)
+        return TrainingJobResponse(
+            job_status=status,
+            job_config=self._config_body(job, job.read_config()),
+            deployed=bool(steps),
+            checkpoints=steps,
+            metrics_count=len(metrics),
+            last_metrics=metrics[-1] if metrics else None,
+        )
+
+    def metrics(self, job_id: str) -> list[dict[str, Any]]:
+        return self.job(job_id).read_metrics()
+
+    def logs(self, job_id: str) -> str:
+        job = self.job(job_id)
+        record = read_record(job)
+        launcher = self.launchers.get(record.launcher if record else self.settings.training.launcher)
+        if launcher is None:
+            return ""
+        return launcher.logs(job)
+
+    def list_models(self) -> ListModelsResponse:
+        """The base model, then every job (oldest first) with its progress and newest checkpoint."""
+        models = [ModelEntry(name=self.settings.base_model_name, deployed=True, status="READY", kind="base")]
+        jobs_dir = self.settings.jobs_dir
+        roots = [p for p in jobs_dir.iterdir() if (p / "status.json").exists()] if jobs_dir.exists() else []
+        entries = []
+        for root in roots:
+            try:
+                entries.append(self._entry(JobDir(root)))
+            except (OSError, ValueError) as e:
+                logger.warning("list_models: skipping %s: %s", root, e)
+        entries.sort(key=lambda pair: pair[0])
+        return ListModelsResponse(models=models + [entry for _, entry in entries])
+
+    def _entry(self, job: JobDir) -> tuple[float, ModelEntry]:
+        config = job.read_config()
+        status = job.read_status()
+        step = latest_step(job)
+        train_time = None
+        if status.start_time is not None:
+            train_time = (status.end_time or time.time()) - status.start_time
+        entry = ModelEntry(
+            name=job.job_id, deployed=step is not None, status=status.status, start_time=status.start_time,
+            step=status.step, max_steps=status.max_steps or config.train_args.max_steps, train_time=train_time,
+            loss=status.loss, version=step or 0, kind="lora" if config.train_args.adapter_type == "lora" else "full",
+        )  # fmt: skip
+        return config.created, entry
+
+    # --- control ----------------------------------------------------------------------------------
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        """Stop a queued or running job (the trainer saves its state); a finished job is left as it is."""
+        job = self.job(job_id)
+        if not job.read_status().terminal:
+            record = read_record(job)
+            launcher = self.launchers.get(record.launcher) if record else None
+            if launcher is not None:
+                launcher.cancel(job)
+            else:
+                mark_cancelled(job)
+        return self._status_body(job, job.read_status())
+
+    def delete(self, job_id: str) -> DeleteJobResponse:
+        """Cancel the job if it still runs, then remove its directory."""
+        job = self.job(job_id)
+        self.cancel(job_id)
+        shutil.rmtree(job.root)
+        return DeleteJobResponse(job_id=job_id)
+
+    def reconcile(self) -> list[JobStatus]:
+        """Mark jobs whose processes are gone FAILED (or CANCELLED when asked), with the reason."""
+        with self._lock:
+            return reconcile(self.settings.jobs_dir, self.launchers)
+
+    @asynccontextmanager
+    async def reconciling(self) -> AsyncIterator[None]:
+        """Reconcile once now (a restarted control plane) and then every `training.poll_seconds`."""
+        await asyncio.to_thread(self.reconcile)
+        task = asyncio.create_task(self._reconcile_forever())
+        try:
+            yield
+        finally:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    async def _reconcile_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.training.poll_seconds)
+            try:
+                await asyncio.to_thread(self.reconcile)
+            except (OSError, ScalarLMError) as e:  # a transient file or SLURM error must not end the loop
+                logger.warning("reconcile failed: %s", e)

@@ -1,0 +1,123 @@
+"""Batch generate routes, wire-compatible with ScalarLM 1.151's SDK, and the worker's pull routes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from starlette.datastructures import UploadFile
+
+from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.protocol.generate import (
+    ClearQueueResponse,
+    DownloadRequest,
+    DownloadResponse,
+    FinishWorkRequest,
+    FinishWorkResponse,
+    GenerateMetrics,
+    GenerateRequest,
+    GenerateResponse,
+    GenerateResult,
+    GetResultsRequest,
+    GetWorkRequest,
+    GetWorkResponse,
+    UploadResponse,
+)
+from scalarlm.server.batch_items import BatchBuilder
+from scalarlm.server.deps import PromptsDep, QueueDep, SettingsDep, StateDep
+from scalarlm.server.telemetry import THROUGHPUT_WINDOW_SECONDS
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1/generate", tags=["generate"])
+
+
+def get_builder(state: StateDep, prompts: PromptsDep) -> BatchBuilder:
+    return BatchBuilder(state.catalog, prompts, state.settings.generate.default_max_tokens)
+
+
+BuilderDep = Annotated[BatchBuilder, Depends(get_builder)]
+
+
+@router.post("", response_model=GenerateResponse, response_model_exclude_none=False)
+async def generate(body: GenerateRequest, queue: QueueDep, builder: BuilderDep, settings: SettingsDep) -> GenerateResponse:
+    """Store every prompt in one transaction; answer at once or after up to `wait_seconds` for results."""
+    if len(body.prompts) > settings.generate.max_batch_prompts:
+        raise InvalidRequest(
+            f"prompts holds {len(body.prompts)} items; the limit is {settings.generate.max_batch_prompts}",
+            param="prompts",
+        )
+    model, items = await asyncio.to_thread(builder.from_request, body)
+    batch = await queue.enqueue(items, model)
+    wait = body.wait_seconds or 0.0
+    if wait <= 0:
+        return GenerateResponse(results=[GenerateResult(request_id=r, model=model) for r in batch.request_ids])
+    return GenerateResponse(results=await queue.wait_results(batch.request_ids, wait))
+
+
+@router.post("/get_results", response_model=GenerateResponse)
+async def get_results(body: GetResultsRequest, queue: QueueDep, settings: SettingsDep) -> GenerateResponse:
+    """Results for these ids; long-polls until all are finished or `wait_seconds` pass."""
+    wait = settings.generate.response_timeout if body.wait_seconds is None else body.wait_seconds
+    return GenerateResponse(results=await queue.wait_results(body.request_ids, wait))
+
+
+@router.post("/upload", response_model=UploadResponse)
+async def upload(request: Request, queue: QueueDep, builder: BuilderDep, state: StateDep) -> UploadResponse:
+    """Multipart `file` = JSON list of prompt objects (the SDK's upload_generate); stored in one transaction."""
+    form = await request.form(max_files=1, max_fields=16)
+    try:
+        file = form.get("file")
+        if not isinstance(file, UploadFile):
+            raise InvalidRequest("multipart field 'file' (a JSON list of prompts) is required", param="file")
+        batch = await queue.enqueue(builder.from_upload(file.file), state.catalog.base)
+    finally:
+        await form.close()
+    return UploadResponse(request_id=batch.batch_id, total_requests=batch.count)
+
+
+@router.post("/download", response_model=DownloadResponse)
+async def download(body: DownloadRequest, queue: QueueDep, settings: SettingsDep) -> DownloadResponse:
+    """The finished results of an uploaded batch so far; long-polls up to `wait_seconds` for the rest."""
+    wait = settings.generate.response_timeout if body.wait_seconds is None else body.wait_seconds
+    progress = await queue.wait_batch(body.request_id, wait)
+    finished = {rid: r for rid, r in progress.results.items() if r.status in ("completed", "failed")}
+    return DownloadResponse(
+        request_id=body.request_id, current_index=progress.finished, total_requests=progress.total, results=finished
+    )
+
+
+@router.get("/metrics", response_model=GenerateMetrics)
+async def metrics(queue: QueueDep) -> GenerateMetrics:
+    """Queue depth per state and recent throughput."""
+    counts = await queue.counts()
+    recent = await queue.throughput(THROUGHPUT_WINDOW_SECONDS)
+    total_completed, total_tokens = await queue.totals()
+    return GenerateMetrics(
+        queue=counts,
+        queue_depth=counts.queued + counts.leased,
+        requests_per_second=recent.requests / recent.seconds,
+        tokens_per_second=recent.tokens / recent.seconds,
+        total_completed=total_completed,
+        total_tokens=total_tokens,
+    )
+
+
+@router.post("/clear_queue", response_model=ClearQueueResponse)
+async def clear_queue(queue: QueueDep) -> ClearQueueResponse:
+    """Drop every queued and leased item (finished results stay readable)."""
+    return ClearQueueResponse(cleared=await queue.clear())
+
+
+@router.post("/get_work", response_model=GetWorkResponse)
+async def get_work(body: GetWorkRequest, queue: QueueDep) -> GetWorkResponse:
+    """Worker side: lease up to `capacity` items of one model."""
+    return await queue.get_work(body)
+
+
+@router.post("/finish_work", response_model=FinishWorkResponse)
+async def finish_work(body: FinishWorkRequest, queue: QueueDep) -> FinishWorkResponse:
+    """Worker side: post results; the first result per request id wins."""
+    return await queue.finish_work(body)

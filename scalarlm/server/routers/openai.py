@@ -1,0 +1,80 @@
+"""OpenAI-compatible routes: checked and admitted here, served by the worker with vLLM's own code.
+
+The control plane does not model OpenAI bodies: it checks only that the body is a JSON object and
+names a known model, then forwards it and returns the worker's JSON or SSE bytes unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from scalarlm.protocol.backend import OpenAIReply, OpenAIRoute
+from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.server.deps import BackendDep, StateDep
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+
+async def read_json_object(request: Request) -> dict[str, Any]:
+    """The request body as a JSON object, or 400 saying what is wrong with it."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}", param="body") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object", param="body")
+    return body
+
+
+@router.get("/models")
+async def list_models(backend: BackendDep) -> Response:
+    """The worker's model list (vLLM's wire format)."""
+    return _reply(await backend.openai("models", {}))
+
+
+@router.post("/completions")
+async def completions(request: Request, state: StateDep, backend: BackendDep) -> Response:
+    """OpenAI completions, streamed or not."""
+    return await _forward("completions", request, state, backend)
+
+
+@router.post("/chat/completions")
+async def chat_completions(request: Request, state: StateDep, backend: BackendDep) -> Response:
+    """OpenAI chat completions, streamed or not."""
+    return await _forward("chat/completions", request, state, backend)
+
+
+async def _forward(route: OpenAIRoute, request: Request, state: StateDep, backend: BackendDep) -> Response:
+    body = await read_json_object(request)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequest("model must be a string", param="model")
+    body["model"] = state.catalog.resolve(model)  # the name the worker serves it under
+    ticket = state.admission.admit(backend.load())
+    streaming = False
+    try:
+        reply = await backend.openai(route, body)
+        if reply.stream is not None:
+            streaming = True  # the slot is released when the stream ends
+            stream = state.admission.guard_stream(ticket, reply.stream)
+            return StreamingResponse(
+                stream, status_code=reply.status_code, media_type="text/event-stream", headers=reply.headers
+            )
+        return _reply(reply)
+    finally:
+        if not streaming:
+            state.admission.release(ticket)
+
+
+def _reply(reply: OpenAIReply) -> Response:
+    if reply.stream is not None:
+        return StreamingResponse(reply.stream, status_code=reply.status_code, media_type="text/event-stream")
+    return JSONResponse(reply.body, status_code=reply.status_code, headers=reply.headers)
