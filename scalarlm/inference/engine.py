@@ -1,0 +1,84 @@
+"""Build a stock vLLM `AsyncLLM` from Settings, the way `vllm serve` does, with a load-tracking stat logger."""
+
+from __future__ import annotations
+
+import logging
+from argparse import Namespace
+from dataclasses import dataclass
+
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.usage.usage_lib import UsageContext
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from scalarlm.config import Settings
+from scalarlm.inference.load import LoadTracker, stat_logger_factory
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Engine:
+    """A running engine with the `vllm serve` arguments it was built from and its load tracker."""
+
+    llm: AsyncLLM
+    args: Namespace
+    load: LoadTracker
+
+    @property
+    def max_model_len(self) -> int:
+        """The context length the engine enforces."""
+        return int(self.llm.model_config.max_model_len)
+
+    def shutdown(self) -> None:
+        """Stop the engine and free its memory."""
+        self.llm.shutdown()
+
+
+def serve_cli_args(settings: Settings) -> list[str]:
+    """The `vllm serve` flags equivalent to our settings (so the engine is built exactly as vLLM's server)."""
+    eng = settings.engine
+    argv = [
+        "--model", settings.model,
+        "--served-model-name", settings.base_model_name,
+        "--dtype", eng.dtype,
+        "--max-model-len", str(eng.max_model_len),
+        "--max-num-seqs", str(eng.max_num_seqs),
+        "--kv-cache-memory-bytes", str(eng.kv_cache_bytes),
+        "--gpu-memory-utilization", str(eng.gpu_memory_utilization),
+        "--tensor-parallel-size", str(eng.tensor_parallel_size),
+        "--seed", str(eng.seed),
+        # Our pull loop and backend stamp their own fingerprint (model + weights version) on responses.
+        "--fingerprint-mode", "none",
+    ]  # fmt: skip
+    if eng.enforce_eager:
+        argv.append("--enforce-eager")
+    if eng.enable_lora:
+        argv += ["--enable-lora", "--max-loras", str(eng.max_loras), "--max-lora-rank", str(eng.max_lora_rank)]
+    return argv
+
+
+def parse_serve_args(settings: Settings) -> Namespace:
+    """Parse our settings with vLLM's own `vllm serve` argument parser (defaults and checks included)."""
+    parser = make_arg_parser(FlexibleArgumentParser(prog="scalarlm-worker"))
+    args = parser.parse_args(serve_cli_args(settings))
+    validate_parsed_serve_args(args)
+    return args
+
+
+def start_engine(settings: Settings) -> Engine:
+    """Build the `AsyncLLM` (call inside the running event loop: vLLM starts its output task there)."""
+    args = parse_serve_args(settings)
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    tracker = LoadTracker(max_num_seqs=vllm_config.scheduler_config.max_num_seqs)
+    llm = AsyncLLM.from_vllm_config(
+        vllm_config=vllm_config,
+        usage_context=UsageContext.OPENAI_API_SERVER,
+        stat_loggers=[stat_logger_factory(tracker)],
+        enable_log_requests=engine_args.enable_log_requests,
+        disable_log_stats=engine_args.disable_log_stats,
+    )
+    logger.info("vLLM engine up: model %s served as %s", settings.model, settings.base_model_name)
+    return Engine(llm=llm, args=args, load=tracker)

@@ -1,0 +1,166 @@
+"""Serve OpenAI routes with vLLM's own serving classes, so the wire format is exactly `vllm serve`'s.
+
+The serving objects are built by vLLM's `init_app_state`, as its API server builds them; this module
+only validates the body into vLLM's request models, calls the handler, and stamps each response with
+the model's weights version (`system_fingerprint` = `scalarlm-<model>-v<version>`, `scalarlm_version`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.datastructures import State
+from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
+from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+from vllm.entrypoints.serve.exception_handling.handlers.validation import clean_loc_for_param
+
+from scalarlm.config import Settings
+from scalarlm.inference.engine import Engine
+from scalarlm.inference.versions import ModelVersions
+from scalarlm.protocol.backend import OpenAIReply, OpenAIRoute
+from scalarlm.protocol.errors import EngineUnavailable, InvalidRequest
+from scalarlm.protocol.generate import EngineLoad
+
+logger = logging.getLogger(__name__)
+
+_REQUEST_MODELS: dict[str, type[Any]] = {
+    "completions": CompletionRequest,
+    "chat/completions": ChatCompletionRequest,
+}
+
+
+def validation_error(exc: ValidationError) -> ErrorResponse:
+    """vLLM's 400 body for a request that fails validation (same message shape as its server)."""
+    errors = exc.errors(include_url=False, include_context=False, include_input=False)
+    param = clean_loc_for_param(("body", *errors[0]["loc"])) if errors else None
+    label = "error" if len(errors) == 1 else "errors"
+    lines = "".join(f"  {{'type': {e['type']!r}, 'loc': {('body', *e['loc'])!r}, 'msg': {e['msg']!r}}}\n" for e in errors[:10])
+    message = f"{len(errors)} validation {label}:\n{lines}".rstrip()
+    return ErrorResponse(error=ErrorInfo(message=message, type="Bad Request", code=400, param=param))
+
+
+def _error_reply(error: ErrorResponse) -> OpenAIReply:
+    return OpenAIReply(status_code=int(error.error.code), body=error.model_dump())
+
+
+class VllmOpenAIBackend:
+    """`InferenceBackend` over one in-process vLLM engine; usable (answering 503) before `attach`."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.engine: Engine | None = None
+        self.versions = ModelVersions(settings.base_model_name)
+        self.state: State | None = None
+
+    async def attach(self, engine: Engine, versions: ModelVersions) -> None:
+        """Build vLLM's OpenAI serving objects for `engine` (exactly as its API server does)."""
+        state = State()
+        supported_tasks = await engine.llm.get_supported_tasks()
+        await init_app_state(engine.llm, state, engine.args, supported_tasks)
+        self.versions = versions
+        self.state = state
+        self.engine = engine
+
+    def detach(self) -> None:
+        """Forget the engine (it is shutting down): requests answer 503 again."""
+        self.engine = None
+        self.state = None
+
+    # ---- InferenceBackend -----------------------------------------------------------------------
+
+    def load(self) -> EngineLoad:
+        """The engine's current load (the worker's count, refined by vLLM's scheduler stats)."""
+        if self.engine is None:
+            return EngineLoad(max_num_seqs=self.settings.engine.max_num_seqs)
+        return self.engine.load.snapshot()
+
+    async def healthy(self) -> bool:
+        """True when the engine is up and not errored."""
+        if self.engine is None:
+            return False
+        try:
+            await self.engine.llm.check_health()
+        except Exception:  # any failure of the health probe means "not healthy"
+            logger.warning("engine health check failed", exc_info=True)
+            return False
+        return True
+
+    async def openai(self, route: OpenAIRoute, body: dict[str, Any]) -> OpenAIReply:
+        """Serve one OpenAI request: JSON body, or an SSE byte stream exactly as vLLM's server emits it."""
+        if self.engine is None or self.state is None:
+            err = EngineUnavailable("the inference engine is not running yet").to_response()
+            return OpenAIReply(status_code=err.error.code, body=err.model_dump(), headers={"Retry-After": "1"})
+        if route == "models":
+            listing = await self.state.openai_serving_models.show_available_models()
+            return OpenAIReply(status_code=200, body=listing.model_dump())
+        if route not in _REQUEST_MODELS:
+            err = InvalidRequest(f"unknown OpenAI route '{route}'").to_response()
+            return OpenAIReply(status_code=404, body=err.model_dump())
+        try:
+            request = _REQUEST_MODELS[route].model_validate(body)
+        except ValidationError as exc:
+            return _error_reply(validation_error(exc))
+        return await self._generate(route, request)
+
+    # ---- internals ------------------------------------------------------------------------------
+
+    async def _generate(self, route: OpenAIRoute, request: Any) -> OpenAIReply:
+        """Call vLLM's handler; vLLM's own error mapping turns exceptions into its ErrorResponse."""
+        assert self.engine is not None and self.state is not None
+        load = self.engine.load
+        sequences = max(1, int(getattr(request, "n", 1) or 1))
+        model = request.model or self.settings.base_model_name
+        version = self.versions.get(model) or 0
+        fingerprint = self.versions.fingerprint(model)
+        streaming = bool(getattr(request, "stream", False))
+        if not streaming:  # a stream counts itself once it is consumed (an unread one never runs)
+            load.add(sequences)
+        try:
+            if route == "completions":
+                result = await self.state.openai_serving_completion.create_completion(request, None)
+            else:
+                result = await self.state.openai_serving_chat.create_chat_completion(request, None)
+            if isinstance(result, ErrorResponse):
+                return _error_reply(result)
+            if hasattr(result, "model_dump"):
+                body = result.model_dump()
+                body["system_fingerprint"] = fingerprint
+                body["scalarlm_version"] = version
+                return OpenAIReply(status_code=200, body=body)
+            return OpenAIReply(
+                status_code=200,
+                stream=self._sse(result, fingerprint, version, sequences),
+                headers={"content-type": "text/event-stream; charset=utf-8"},
+            )
+        except Exception as exc:  # vLLM's server maps any handler exception the same way (its safety net)
+            logger.info("OpenAI %s request failed: %s", route, exc)
+            return _error_reply(create_error_response(exc))
+        finally:
+            if not streaming:
+                load.done(sequences)
+
+    async def _sse(
+        self, lines: AsyncIterator[str], fingerprint: str, version: int, sequences: int
+    ) -> AsyncIterator[bytes]:
+        """vLLM's SSE lines as bytes, each chunk object stamped with our fingerprint and version."""
+        assert self.engine is not None
+        load = self.engine.load
+        stamp = f'data: {{"system_fingerprint":{json.dumps(fingerprint)},"scalarlm_version":{version},'
+        load.add(sequences)
+        try:
+            async for line in lines:
+                if line.startswith('data: {"id"'):
+                    line = stamp + line[7:]
+                yield line.encode()
+        finally:
+            load.done(sequences)
+            aclose = getattr(lines, "aclose", None)
+            if aclose is not None:
+                await aclose()

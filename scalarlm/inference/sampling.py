@@ -1,0 +1,54 @@
+"""Map protocol sampling knobs to `vllm.SamplingParams` faithfully, and work items to engine prompts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm import SamplingParams as VllmSamplingParams
+from vllm.sampling_params import RequestOutputKind
+
+from scalarlm.protocol.generate import SamplingParams, WorkItem
+
+# Knobs passed to vLLM under the same name whenever the request sets them; unset ones keep vLLM's default.
+_PASSTHROUGH = (
+    "top_p",
+    "top_k",
+    "min_p",
+    "n",
+    "stop",
+    "seed",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "ignore_eos",
+)
+
+
+def to_vllm_sampling(params: SamplingParams, default_max_tokens: int) -> VllmSamplingParams:
+    """vLLM sampling params for one queued request.
+
+    Unset temperature means greedy (0), as ScalarLM's queue does; unset max_tokens means the configured
+    default. Only the final output is returned (the queue does not stream), which keeps the engine cheap.
+    """
+    kwargs: dict[str, Any] = {
+        "max_tokens": params.max_tokens if params.max_tokens is not None else default_max_tokens,
+        "temperature": params.temperature if params.temperature is not None else 0.0,
+        "output_kind": RequestOutputKind.FINAL_ONLY,
+    }
+    for name in _PASSTHROUGH:
+        value = getattr(params, name)
+        if value is not None:
+            kwargs[name] = value
+    return VllmSamplingParams(**kwargs)
+
+
+def to_engine_prompt(item: WorkItem, tokenizer: Any) -> dict[str, Any]:
+    """The vLLM prompt for a work item: text as-is; chat messages rendered with the model's chat template."""
+    if item.messages is not None:
+        messages = [m.model_dump(exclude_none=True) for m in item.messages]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 may return a BatchEncoding
+            ids = ids["input_ids"]
+        return {"prompt_token_ids": list(ids)}
+    return {"prompt": item.prompt or ""}

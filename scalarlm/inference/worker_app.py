@@ -1,0 +1,101 @@
+"""Split mode: the worker's own small HTTP app (`scalarlm serve --role worker`).
+
+It serves the OpenAI routes the control plane's `RemoteBackend` forwards to (`GET /v1/models`,
+`POST /v1/completions`, `POST /v1/chat/completions`), `GET /load` and `GET /health`, and its lifespan
+runs the engine and the pull loop against the control plane's queue over HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from scalarlm.config import Settings
+from scalarlm.inference.http_source import HttpWorkSource
+from scalarlm.inference.worker import InProcessWorker
+from scalarlm.protocol.backend import OpenAIReply, OpenAIRoute
+
+logger = logging.getLogger(__name__)
+
+
+def _to_response(reply: OpenAIReply) -> Response:
+    """An OpenAIReply as the HTTP response vLLM's server would send."""
+    if reply.stream is not None:
+        headers = {k: v for k, v in reply.headers.items() if k.lower() != "content-type"}
+        return StreamingResponse(reply.stream, status_code=reply.status_code, media_type="text/event-stream",
+                                 headers=headers)
+    return JSONResponse(reply.body, status_code=reply.status_code, headers=reply.headers)
+
+
+def _bad_json(message: str) -> JSONResponse:
+    """vLLM's error body for a request that is not a JSON object."""
+    return JSONResponse({"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}},
+                        status_code=400)
+
+
+def create_worker_app(settings: Settings, worker: InProcessWorker | None = None) -> FastAPI:
+    """The worker's FastAPI app; the engine starts in its lifespan and pulls from `settings.server.api_url`."""
+    worker = worker or InProcessWorker(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        api_key = settings.server.api_keys[0] if settings.server.api_keys else None
+        source = HttpWorkSource(settings.server.api_url, api_key)
+        await worker.start(source)
+        try:
+            yield
+        finally:
+            await worker.stop()
+            await source.aclose()
+
+    app = FastAPI(title="scalarlm worker", lifespan=lifespan)
+    app.state.worker = worker
+
+    async def forward(route: OpenAIRoute, request: Request) -> Response:
+        try:
+            body: Any = json.loads(await request.body())
+        except ValueError as exc:
+            return _bad_json(f"request body is not valid JSON: {exc}")
+        if not isinstance(body, dict):
+            return _bad_json("request body must be a JSON object")
+        return _to_response(await worker.backend.openai(route, body))
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return _to_response(await worker.backend.openai("models", {}))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await forward("completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await forward("chat/completions", request)
+
+    @app.get("/load")
+    async def load() -> dict[str, Any]:
+        return worker.backend.load().model_dump()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = await worker.backend.healthy()
+        return JSONResponse({"status": "up" if ok else "down"}, status_code=200 if ok else 503)
+
+    return app
+
+
+def run_worker(settings: Settings) -> int:
+    """Serve the worker app with uvicorn on `server.host:server.worker_port` until SIGTERM/SIGINT."""
+    import uvicorn
+
+    logger.info("worker serving %s on http://%s:%d, pulling from %s", settings.model, settings.server.host,
+                settings.server.worker_port, settings.server.api_url)
+    uvicorn.run(create_worker_app(settings), host=settings.server.host, port=settings.server.worker_port,
+                log_level=settings.log_level.lower(), timeout_graceful_shutdown=10)
+    return 0
