@@ -8,7 +8,7 @@ from scalarlm.config import Settings
 from scalarlm.launcher.archive import copy_upload, extract_dataset
 from scalarlm.launcher.base import Launcher, LaunchRecord, RunState, cancel_requested, read_record
 from scalarlm.launcher.dataset import validate_rows
-from scalarlm.launcher.local import LocalLauncher
+from scalarlm.launcher.local import LocalLauncher, mark_cancelled
 from scalarlm.launcher.reconcile import reconcile, reconcile_job
 from scalarlm.launcher.slurm import SlurmLauncher
 
@@ -20,5 +20,5 @@ def default_launchers(settings: Settings) -> dict[str, Launcher]:
 
 __all__ = [
     "Launcher", "LaunchRecord", "LocalLauncher", "RunState", "SlurmLauncher", "cancel_requested", "copy_upload",
-    "default_launchers", "extract_dataset", "read_record", "reconcile", "reconcile_job", "validate_rows",
+    "default_launchers", "extract_dataset", "mark_cancelled", "read_record", "reconcile", "reconcile_job", "validate_rows",
 ]  # fmt: skip

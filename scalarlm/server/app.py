@@ -25,7 +25,8 @@ from scalarlm.server.errors import install_error_handlers
 from scalarlm.server.models import ModelCatalog
 from scalarlm.server.prompt_check import PromptChecker
 from scalarlm.server.remote_backend import RemoteBackend
-from scalarlm.server.routers import generate, health, metrics, openai
+from scalarlm.server.jobs import TrainingJobs
+from scalarlm.server.routers import generate, health, metrics, openai, training
 from scalarlm.server.telemetry import HttpMetricsMiddleware, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -44,13 +45,15 @@ def create_app(settings: Settings, worker: EmbeddedWorker | None = None) -> Fast
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with _running(state, worker):
+        async with _running(state, worker), app.state.training.reconciling():
             yield
 
     app = FastAPI(title="scalarlm", version="0.1.0", lifespan=lifespan)
     app.state.server = state
+    app.state.training = TrainingJobs(settings)
     install_error_handlers(app)
-    for router in (generate.router, openai.router, health.router, metrics.router):
+    routers = (generate.router, openai.router, health.router, metrics.router, training.router, training.alias_router)
+    for router in routers:
         app.include_router(router)
     # Outermost first: count every answer, including 413s from the body limit.
     app.add_middleware(

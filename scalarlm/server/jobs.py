@@ -22,8 +22,15 @@ from pydantic import ValidationError
 
 from scalarlm.checkpoint import JobDir, latest_step, list_steps, read_manifest
 from scalarlm.config import Settings
-from scalarlm.launcher import Launcher, default_launchers, extract_dataset, read_record, reconcile, validate_rows
-from scalarlm.launcher.local import mark_cancelled
+from scalarlm.launcher import (
+    Launcher,
+    default_launchers,
+    extract_dataset,
+    mark_cancelled,
+    read_record,
+    reconcile,
+    validate_rows,
+)
 from scalarlm.protocol.errors import InvalidRequest, NotFound, ScalarLMError
 from scalarlm.protocol.training import (
     NAME_PATTERN,
