@@ -141,7 +141,7 @@ class RequestQueue:
                 rows(),
             )
             if counter.count == 0:
-                raise InvalidRequest("a batch needs at least one prompt", param="prompts")
+                raise InvalidRequest("prompts must not be empty: a batch needs at least one prompt", param="prompts")
         logger.info("enqueued batch %s: %d items for %s", batch_id, counter.count, model)
         return EnqueuedBatch(batch_id, counter.count)
 

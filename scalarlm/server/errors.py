@@ -30,22 +30,33 @@ def error_response(exc: ScalarLMError) -> JSONResponse:
     return JSONResponse(exc.to_response().model_dump(), status_code=exc.status_code, headers=headers)
 
 
+# Location parts pydantic adds for union members; they name types, not fields the client sent.
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _field_name(loc: tuple[Any, ...] | list[Any]) -> str:
+    parts = [str(p) for p in loc if p != "body" and str(p) not in _UNION_TAGS and "[" not in str(p)]
+    return ".".join(parts) or "body"
+
+
 def describe_validation(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """A readable message naming the offending field(s), and the first field's dotted name."""
-    parts: list[str] = []
-    first: str | None = None
-    for err in errors[:5]:
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    by_field: dict[str, list[str]] = {}
+    for err in errors:
         if err.get("type") == "json_invalid":
-            parts.append(f"request body is not valid JSON ({err.get('ctx', {}).get('error', 'parse error')})")
-            first = first or "body"
+            reason = err.get("ctx", {}).get("error", "parse error")
+            by_field.setdefault("body", []).append(f"request body is not valid JSON ({reason})")
             continue
-        field = ".".join(loc) or "body"
-        first = first or field
-        parts.append(f"{field}: {err.get('msg', 'invalid value')}")
-    if len(errors) > 5:
-        parts.append(f"... and {len(errors) - 5} more")
-    return "; ".join(parts) or "invalid request", first
+        msgs = by_field.setdefault(_field_name(err.get("loc", ())), [])
+        if err.get("msg") not in msgs:
+            msgs.append(str(err.get("msg", "invalid value")))
+    parts = [
+        msgs[0] if field == "body" and msgs[0].startswith("request body") else f"{field}: {' or '.join(msgs)}"
+        for field, msgs in list(by_field.items())[:5]
+    ]
+    if len(by_field) > 5:
+        parts.append(f"... and {len(by_field) - 5} more fields")
+    return "; ".join(parts) or "invalid request", next(iter(by_field), None)
 
 
 async def _on_scalarlm_error(request: Request, exc: ScalarLMError) -> JSONResponse:
