@@ -133,6 +133,8 @@ class JobStatus(BaseModel):
     updated: float | None = None
     launcher: str | None = None
     launcher_id: str | None = None
+    # Trainer-reported facts about the run (e.g. data: rows, truncated_rows, dropped_rows, global_batch_blocks).
+    details: dict[str, Any] = Field(default_factory=dict)
 
     @property
     def terminal(self) -> bool:
