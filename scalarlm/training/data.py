@@ -1,0 +1,257 @@
+"""Training data: rows -> token documents with a completion mask -> packed blocks -> per-rank micro-batches.
+
+* A document is a row's tokens plus, per token, whether it is a completion token (in the loss). Prompt/completion
+  rows: ``tokenize(prompt)`` + ``tokenize(completion)`` + EOS (prompt and completion are tokenized separately,
+  exactly as the prompt will be at inference). Chat rows: the tokenizer's chat template, rendered turn by turn;
+  every assistant turn (with its end-of-turn marker) is in the loss.
+* Documents longer than `max_len` are truncated (counted); a document left without a completion token is dropped
+  (counted). Neither ever fails the job.
+* Each epoch shuffles the documents with `seed + epoch`, then packs them greedily into blocks of at most `max_len`
+  tokens. Attention never crosses documents (block-diagonal causal mask) and position ids restart per document.
+* A step consumes the next `global_batch = batch_size * gradient_accumulation_steps * DP` blocks of the stream;
+  rank r's micro-batch m is the `batch_size` blocks at ``(m * DP + r) * batch_size``. Every rank sees the whole
+  global batch's token counts, so the loss is normalised by the global number of completion tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.training.rows import Row
+
+
+@dataclass(frozen=True)
+class Document:
+    """One row as tokens; `targets[t]` says token t is a completion token (predicted by the loss)."""
+
+    tokens: tuple[int, ...]
+    targets: tuple[bool, ...]
+
+
+@dataclass
+class DataStats:
+    """What tokenization did to the rows (reported in metrics and status)."""
+
+    rows: int = 0
+    documents: int = 0
+    truncated_rows: int = 0
+    dropped_rows: int = 0
+    tokens: int = 0
+
+
+def _ids(tokenizer: Any, text: str, special: bool) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def _chat_pieces(tokenizer: Any, row: Row) -> list[tuple[str, bool]]:
+    """The rendered chat as (text, is_target) pieces: assistant turns are targets."""
+    msgs = [dict(m) for m in row.messages or ()]
+    render = tokenizer.apply_chat_template
+    pieces: list[tuple[str, bool]] = []
+    done = ""
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        prefix = render(msgs[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        full = render(msgs[: i + 1], tokenize=False)
+        if not (prefix.startswith(done) and full.startswith(prefix)):
+            raise InvalidRequest(
+                f"dataset line {row.line}: the chat template does not render turn by turn; cannot mask assistant turns",
+                param="dataset",
+            )
+        pieces += [(prefix[len(done) :], False), (full[len(prefix) :], True)]
+        done = full
+    rest = render(msgs, tokenize=False)
+    if rest.startswith(done) and len(rest) > len(done):
+        pieces.append((rest[len(done) :], False))
+    return [(text, target) for text, target in pieces if text]
+
+
+def encode_row(tokenizer: Any, row: Row) -> Document:
+    """Tokenize one row with its completion mask (EOS appended to prompt/completion rows)."""
+    if row.messages is not None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequest(f"dataset line {row.line}: chat rows need a tokenizer with a chat template")
+        tokens: list[int] = []
+        targets: list[bool] = []
+        for text, target in _chat_pieces(tokenizer, row):
+            ids = _ids(tokenizer, text, special=False)
+            tokens += ids
+            targets += [target] * len(ids)
+        return Document(tuple(tokens), tuple(targets))
+    prompt = _ids(tokenizer, row.prompt or "", special=True)
+    completion = _ids(tokenizer, row.completion or "", special=False) + [tokenizer.eos_token_id]
+    return Document(tuple(prompt + completion), tuple([False] * len(prompt) + [True] * len(completion)))
+
+
+def encode_rows(tokenizer: Any, rows: Sequence[Row], max_len: int) -> tuple[list[Document], DataStats]:
+    """Tokenize every row, truncating to `max_len` and dropping rows left without completion tokens."""
+    stats = DataStats(rows=len(rows))
+    docs = []
+    for row in rows:
+        doc = encode_row(tokenizer, row)
+        if len(doc.tokens) > max_len:
+            stats.truncated_rows += 1
+            doc = Document(doc.tokens[:max_len], doc.targets[:max_len])
+        if not any(doc.targets[1:]):  # the first token is never predicted
+            stats.dropped_rows += 1
+            continue
+        docs.append(doc)
+        stats.tokens += len(doc.tokens)
+    stats.documents = len(docs)
+    if not docs:
+        raise InvalidRequest(
+            f"no trainable rows: all {len(rows)} rows lost their completion to truncation at {max_len} tokens",
+            param="dataset",
+        )
+    return docs, stats
+
+
+@dataclass(frozen=True)
+class Block:
+    """One training sequence: documents packed end to end (`doc_starts` are their offsets)."""
+
+    tokens: tuple[int, ...]
+    targets: tuple[bool, ...]
+    doc_starts: tuple[int, ...]
+
+
+def pack(docs: Sequence[Document], order: Sequence[int], max_len: int, packing: bool) -> list[Block]:
+    """Greedily pack documents (in `order`) into blocks of at most `max_len` tokens; one per block if not packing."""
+    blocks: list[Block] = []
+    tokens: list[int] = []
+    targets: list[bool] = []
+    starts: list[int] = []
+    for i in order:
+        doc = docs[i]
+        if tokens and (not packing or len(tokens) + len(doc.tokens) > max_len):
+            blocks.append(Block(tuple(tokens), tuple(targets), tuple(starts)))
+            tokens, targets, starts = [], [], []
+        starts.append(len(tokens))
+        tokens += doc.tokens
+        targets += doc.targets
+    if tokens:
+        blocks.append(Block(tuple(tokens), tuple(targets), tuple(starts)))
+    return blocks
+
+
+@dataclass
+class BlockStream:
+    """An endless, seeded, epoch-by-epoch stream of packed blocks with a resumable cursor."""
+
+    docs: Sequence[Document]
+    max_len: int
+    packing: bool = True
+    shuffle: bool = True
+    seed: int = 0
+    epoch: int = 0
+    offset: int = 0
+    _blocks: list[Block] = field(default_factory=list, repr=False)
+    _blocks_epoch: int = field(default=-1, repr=False)
+
+    def _epoch_blocks(self) -> list[Block]:
+        if self._blocks_epoch != self.epoch:
+            order = list(range(len(self.docs)))
+            if self.shuffle:
+                random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+            self._blocks = pack(self.docs, order, self.max_len, self.packing)
+            self._blocks_epoch = self.epoch
+        return self._blocks
+
+    def take(self, n: int) -> list[Block]:
+        """The next `n` blocks, moving on to the next epoch (reshuffled) when one runs out."""
+        out: list[Block] = []
+        while len(out) < n:
+            blocks = self._epoch_blocks()
+            room = blocks[self.offset : self.offset + n - len(out)]
+            out += room
+            self.offset += len(room)
+            if self.offset >= len(blocks):
+                self.epoch, self.offset = self.epoch + 1, 0
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+
+
+@dataclass
+class MicroBatch:
+    """Tensors for one forward pass: [B, L] ids/labels/loss mask/positions and a [B, 1, L, L] mask (True = hidden)."""
+
+    tokens: Tensor
+    labels: Tensor
+    loss_mask: Tensor
+    position_ids: Tensor
+    attention_mask: Tensor
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        return MicroBatch(*(t.to(device, non_blocking=True) for t in vars(self).values()))
+
+
+def _segments(block: Block, length: int) -> tuple[list[int], list[int]]:
+    """Per position: the document index (padding is one extra segment) and the position within it."""
+    seg, pos = [0] * length, [0] * length
+    bounds = list(block.doc_starts) + [len(block.tokens), length]
+    for d in range(len(bounds) - 1):
+        for t in range(bounds[d], bounds[d + 1]):
+            seg[t], pos[t] = d, t - bounds[d]
+    return seg, pos
+
+
+def collate(blocks: Sequence[Block], pad_id: int, multiple: int = 8) -> MicroBatch:
+    """Pad blocks to a common length and build labels, the loss mask, positions and the per-document mask."""
+    longest = max(len(b.tokens) for b in blocks)
+    length = -(-longest // multiple) * multiple
+    n = len(blocks)
+    tokens = torch.full((n, length), pad_id, dtype=torch.long)
+    labels = torch.full((n, length), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((n, length), dtype=torch.float32)
+    segs = torch.zeros((n, length), dtype=torch.long)
+    positions = torch.zeros((n, length), dtype=torch.long)
+    for i, block in enumerate(blocks):
+        k = len(block.tokens)
+        ids = torch.tensor(block.tokens, dtype=torch.long)
+        seg, pos = _segments(block, length)
+        segs[i], positions[i] = torch.tensor(seg), torch.tensor(pos)
+        tokens[i, :k] = ids
+        labels[i, : k - 1] = ids[1:]
+        same_doc = segs[i, 1:k] == segs[i, : k - 1]
+        targets = torch.tensor(block.targets[1:], dtype=torch.bool)
+        loss_mask[i, : k - 1] = (same_doc & targets).float()
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    allowed = (segs[:, :, None] == segs[:, None, :]) & causal
+    return MicroBatch(tokens, labels, loss_mask, positions, ~allowed[:, None])
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """This rank's micro-batches of one step, and counts over the whole global batch."""
+
+    micro_batches: list[MicroBatch]
+    global_loss_tokens: int
+    global_tokens: int
+
+
+def step_batch(blocks: Sequence[Block], batch_size: int, accum: int, dp_size: int, dp_rank: int, pad_id: int) -> StepBatch:
+    """Split one global batch of blocks into this DP rank's micro-batches."""
+    micro = []
+    for m in range(accum):
+        start = (m * dp_size + dp_rank) * batch_size
+        micro.append(collate(blocks[start : start + batch_size], pad_id))
+    loss_tokens = sum(sum(b.targets[1:]) for b in blocks) - _cross_doc_targets(blocks)
+    return StepBatch(micro, loss_tokens, sum(len(b.tokens) for b in blocks))
+
+
+def _cross_doc_targets(blocks: Sequence[Block]) -> int:
+    """Targets that sit at a document's first token (never predicted: the previous token is another document)."""
+    return sum(int(b.targets[s]) for b in blocks for s in b.doc_starts if s > 0)

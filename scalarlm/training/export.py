@@ -1,0 +1,62 @@
+"""Publish the model being trained as an HF checkpoint: gather TP shards, map mcore -> HF, write atomically."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from scalarlm.checkpoint import JobDir, publish_step
+from scalarlm.protocol.training import CheckpointManifest
+from scalarlm.training import hf_io
+from scalarlm.training.convert import mcore_to_hf, tp_kinds
+from scalarlm.training.model import ModelArch
+from scalarlm.training.parallel import Parallel
+
+logger = logging.getLogger(__name__)
+
+
+def gather_tp_shards(model: torch.nn.Module, arch: ModelArch, par: Parallel) -> list[dict[str, Tensor]] | None:
+    """Every TP rank's parameters (on CPU), collected on TP rank 0 of DP rank 0; None on other ranks.
+
+    Only the first DP replica takes part (the others hold identical weights).
+    """
+    if par.dp_rank != 0:
+        return None
+    params = dict(model.named_parameters())
+    shards: list[dict[str, Tensor]] = [{} for _ in range(par.tp_size)]
+    for name in tp_kinds(arch):
+        local = params[name].detach().contiguous()
+        if par.tp_size == 1:
+            parts = [local]
+        else:
+            parts = [torch.empty_like(local) for _ in range(par.tp_size)]
+            dist.all_gather(parts, local, group=par.tp_group)
+        if par.tp_rank == 0:
+            for r, part in enumerate(parts):
+                shards[r][name] = part.cpu().clone()
+    return shards if par.tp_rank == 0 else None
+
+
+def publish_checkpoint(
+    job: JobDir,
+    model: torch.nn.Module,
+    arch: ModelArch,
+    par: Parallel,
+    base_model: Path,
+    base_config: dict[str, Any],
+    manifest: CheckpointManifest,
+) -> Path | None:
+    """Collectively publish `checkpoints/step-<N>/` in HF format; rank 0 writes it and returns its path."""
+    shards = gather_tp_shards(model, arch, par)
+    path = None
+    if par.is_main and shards is not None:
+        state = mcore_to_hf(shards, arch)
+        path = publish_step(job, manifest, lambda d: hf_io.write_checkpoint(d, state, base_model, base_config))
+        logger.info("published %s", path)
+    dist.barrier()
+    return path

@@ -1,0 +1,145 @@
+"""One training job on one rank: logging, signals, status.json, validation, training, outcome.
+
+Rank 0 writes status.json (RUNNING -> COMPLETED | FAILED | CANCELLED with a reason) and metrics.jsonl; any rank
+that fails writes FAILED with its exception. The dataset is validated before any process group or model exists.
+On SIGTERM the ranks agree at the next step boundary, save resume state and exit 0: CANCELLED if
+`cancel.requested` exists, else FAILED with a "resubmit to resume" reason. A job started on a directory whose
+`state/` holds a saved state resumes from it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from scalarlm.checkpoint import JobDir
+from scalarlm.checkpoint.jobdir import atomic_write_text
+from scalarlm.protocol.errors import ScalarLMError
+from scalarlm.training.parallel import LaunchEnv, launch_env_from
+from scalarlm.training.rows import read_rows
+
+logger = logging.getLogger(__name__)
+
+CANCEL_FILE = "cancel.requested"
+
+
+class StopSignal:
+    """Remembers that SIGTERM (or SIGINT) arrived; the loop checks it between steps."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def install(self) -> "StopSignal":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+        logger.warning("received %s: stopping at the next step boundary", signal.Signals(signum).name)
+
+    def requested(self) -> bool:
+        return self.signum is not None
+
+
+def setup_logging(job: JobDir, rank: int) -> None:
+    """Log every rank to logs/rank-<r>.log; rank 0 also to stderr (others only warnings)."""
+    job.logs_dir.mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    to_file = logging.FileHandler(job.rank_log(rank))
+    to_file.setFormatter(fmt)
+    to_err = logging.StreamHandler(sys.stderr)
+    to_err.setFormatter(fmt)
+    to_err.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    root.handlers[:] = [to_file, to_err]
+    logging.captureWarnings(True)
+
+
+def _fail(job: JobDir, env: LaunchEnv, reason: str, step: int | None = None) -> int:
+    logger.error("job failed: %s", reason)
+    changes: dict[str, Any] = {"status": "FAILED", "reason": reason, "end_time": time.time()}
+    if step is not None:
+        changes["step"] = step
+    job.update_status(**changes)
+    return 1
+
+
+def _keep_metrics_up_to(job: JobDir, step: int) -> None:
+    """On resume, drop metrics of steps after the saved state (they are trained again)."""
+    rows = [r for r in job.read_metrics() if int(r.get("step", 0)) <= step]
+    atomic_write_text(job.metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def run_job(job_dir: Path, environ: Mapping[str, str]) -> int:
+    """Run the job in `job_dir` as the rank described by `environ`; return the process exit code."""
+    job = JobDir(Path(job_dir))
+    env = launch_env_from(environ)
+    setup_logging(job, env.rank)
+    stop = StopSignal().install()
+    main = env.rank == 0
+    try:
+        config = job.read_config()
+        rows = read_rows(job.dataset_path)
+    except (ScalarLMError, ValidationError, OSError, ValueError) as e:
+        return _fail(job, env, f"{type(e).__name__}: {e}") if main else 1
+    args = config.train_args
+    if main:
+        job.create()
+        job.update_status(status="RUNNING", reason=None, max_steps=args.max_steps, start_time=time.time(), end_time=None)
+
+    import torch
+
+    from scalarlm.training.loop import Trainer, run
+    from scalarlm.training.parallel import init_parallel, shutdown_parallel
+
+    torch.manual_seed(args.seed)
+    trainer = None
+    try:
+        par = init_parallel(env, args.tensor_parallel_size, args.seed)
+        trainer = Trainer(job, config, par, rows)
+        if trainer.resume_if_saved() and main:
+            _keep_metrics_up_to(job, trainer.step)
+        data = trainer.data_report()
+        if main:
+            logger.info("data: %s", data)
+            job.update_status(step=trainer.step, details={"data": data})
+
+        def on_step(metrics: dict[str, Any]) -> None:
+            if main:
+                metrics["truncated_rows"] = data["truncated_rows"]
+                job.append_metrics(metrics)
+                job.update_status(step=metrics["step"], loss=metrics["loss"])
+                logger.info("step %d loss %.5f lr %.3g tok/s %.0f", metrics["step"], metrics["loss"], metrics["lr"],
+                            metrics["tokens_per_second"])
+
+        outcome = run(trainer, stop.requested, on_step)
+    except Exception as e:  # the entry point turns any failure into FAILED with its reason
+        logger.exception("training failed")
+        step = trainer.step if trainer is not None else None
+        return _fail(job, env, f"rank {env.rank}: {type(e).__name__}: {e}", step)
+    finally:
+        shutdown_parallel()
+
+    if not main:
+        return 0
+    now = time.time()
+    if outcome == "completed":
+        job.update_status(status="COMPLETED", reason=None, step=trainer.step, end_time=now)
+    elif (job.root / CANCEL_FILE).exists():
+        job.update_status(status="CANCELLED", reason=f"cancelled at step {trainer.step}", end_time=now)
+    else:
+        name = signal.Signals(stop.signum).name if stop.signum else "a stop request on another rank"
+        reason = f"terminated by {name} at step {trainer.step}; state saved, resubmit to resume"
+        job.update_status(status="FAILED", reason=reason, step=trainer.step, end_time=now)
+    logger.info("job %s: %s at step %d", config.job_id, outcome, trainer.step)
+    return 0

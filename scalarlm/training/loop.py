@@ -1,0 +1,187 @@
+"""The SFT training loop on a megatron-core model: read top to bottom (data, model, optimizer, resume, steps).
+
+Global batch (blocks per optimizer step) = batch_size * gradient_accumulation_steps * DP, where a block is one
+packed sequence of at most `max_seq_len` tokens (`max_token_block_size` overrides it). bf16 on GPU unless
+`dtype` is float32; fp32 on CPU. Publishes an HF checkpoint and saves resume state every `publish_every` steps and
+at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from scalarlm.checkpoint import JobDir
+from scalarlm.protocol.training import CheckpointManifest, TrainJobConfig
+from scalarlm.training import hf_io
+from scalarlm.training.convert import hf_to_mcore
+from scalarlm.training.data import BlockStream, DataStats, encode_rows, step_batch
+from scalarlm.training.export import publish_checkpoint
+from scalarlm.training.losses import sft_loss, token_losses
+from scalarlm.training.model import arch_from_hf_config, build_gpt_model
+from scalarlm.training.optim import build_optimizer, wrap_data_parallel
+from scalarlm.training.parallel import Parallel
+from scalarlm.training.rows import Row
+from scalarlm.training.schedule import lr_at
+from scalarlm.training.state import latest_state, load_state, save_state
+
+logger = logging.getLogger(__name__)
+
+
+class Trainer:
+    """One rank's share of an SFT job: model shard, optimizer, data stream and step counter."""
+
+    def __init__(self, job: JobDir, config: TrainJobConfig, par: Parallel, rows: list[Row]) -> None:
+        from transformers import AutoTokenizer
+
+        self.job, self.config, self.par = job, config, par
+        self.args = args = config.train_args
+        self.base = Path(config.base_model)
+        self.base_config = hf_io.read_config(self.base)
+        qkv_bias = any(name.endswith("self_attn.q_proj.bias") for name in hf_io.tensor_names(self.base))
+        self.arch = arch_from_hf_config(self.base_config, qkv_bias=qkv_bias)
+        self.bf16 = par.on_gpu and args.dtype != "float32"
+
+        tokenizer = AutoTokenizer.from_pretrained(self.base)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.max_len = args.max_token_block_size or args.max_seq_len
+        docs, self.data_stats = encode_rows(tokenizer, rows, self.max_len)
+        self.stream = BlockStream(docs, self.max_len, args.pack, args.shuffle, args.seed)
+        self.global_batch = args.batch_size * args.gradient_accumulation_steps * par.dp_size
+
+        self.model = self._build_model()
+        self.ddp = wrap_data_parallel(self.model if not self.bf16 else self._half(self.model), par)
+        self.optimizer = build_optimizer(self.ddp, args, par, self.bf16)
+        self.step = 0
+        self.tokens_seen = 0
+
+    def _build_model(self) -> torch.nn.Module:
+        """The GPTModel shard of this TP rank, loaded from the base HF checkpoint."""
+        model = build_gpt_model(self.arch, self.par.tp_size, self.bf16)
+        hf = hf_io.load_weights(self.base)
+        mcore = hf_to_mcore(hf, self.arch, self.par.tp_rank, self.par.tp_size)
+        params = dict(model.named_parameters())
+        if set(params) != set(mcore):
+            raise RuntimeError(f"converter/model mismatch: {sorted(set(params) ^ set(mcore))[:4]}")
+        with torch.no_grad():
+            for name, value in mcore.items():
+                params[name].copy_(value)
+        del hf, mcore
+        return model.to(self.par.device)
+
+    def _half(self, model: torch.nn.Module) -> torch.nn.Module:
+        from megatron.core.transformer.module import Float16Module
+
+        return Float16Module(model.config, model)
+
+    def resume_if_saved(self) -> bool:
+        """Continue from `state/` if it holds a saved state; True if it did."""
+        saved = latest_state(self.job.state_dir)
+        if saved is None:
+            return False
+        payload = load_state(saved, self.par, self.model, self.optimizer)
+        self.step = int(payload["step"])
+        self.tokens_seen = int(payload.get("tokens_seen", 0))
+        self.stream.load_state_dict(payload["data"])
+        return True
+
+    def save(self) -> None:
+        """Collectively save resume state after `self.step` completed steps."""
+        extra = {"data": self.stream.state_dict(), "tokens_seen": self.tokens_seen}
+        save_state(self.job.state_dir, self.step, self.par, self.model, self.optimizer, extra)
+
+    def publish(self, loss: float | None) -> None:
+        """Collectively publish `checkpoints/step-<step>/` (LoRA is not trained yet: always full weights)."""
+        manifest = CheckpointManifest(
+            job_id=self.config.job_id,
+            step=self.step,
+            base_model=str(self.config.base_model),
+            kind="full",
+            loss=loss,
+            extra={"adapter_type_requested": self.args.adapter_type, "dtype": "bfloat16" if self.bf16 else "float32"},
+        )
+        publish_checkpoint(self.job, self.model, self.arch, self.par, self.base, self.base_config, manifest)
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step over the next global batch; returns its metrics row."""
+        start = time.perf_counter()
+        args, par = self.args, self.par
+        batch = step_batch(
+            self.stream.take(self.global_batch),
+            args.batch_size,
+            args.gradient_accumulation_steps,
+            par.dp_size,
+            par.dp_rank,
+            self.pad_id,
+        )
+        self.ddp.train()
+        self.optimizer.zero_grad()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=par.device)
+        for micro in batch.micro_batches:
+            micro = micro.to(par.device)
+            loss = sft_loss(token_losses(self.ddp, micro), micro.loss_mask, batch.global_loss_tokens)
+            loss.backward()
+            loss_sum += loss.detach().double()
+        lr = lr_at(self.step, args)
+        grad_norm = self.optimizer.step(lr)
+        if par.dp_size > 1:
+            dist.all_reduce(loss_sum, group=par.dp_group)
+        self.step += 1
+        self.tokens_seen += batch.global_tokens
+        elapsed = time.perf_counter() - start
+        return {
+            "step": self.step,
+            "loss": float(loss_sum),
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens": batch.global_tokens,
+            "loss_tokens": batch.global_loss_tokens,
+            "tokens_per_second": batch.global_tokens / elapsed if elapsed > 0 else 0.0,
+            "step_seconds": elapsed,
+            "epoch": self.stream.epoch,
+            "tokens_seen": self.tokens_seen,
+            "time": time.time(),
+        }
+
+    def data_report(self) -> dict[str, Any]:
+        """Data counts for status and metrics (rows truncated / dropped, documents, global batch)."""
+        return {**asdict(self.data_stats), "global_batch_blocks": self.global_batch, "max_seq_len": self.max_len}
+
+
+def should_stop(local_flag: bool, device: torch.device) -> bool:
+    """True on every rank if any rank was asked to stop (so all stop at the same step boundary)."""
+    flag = torch.tensor([1 if local_flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def run(
+    trainer: Trainer,
+    stop_requested: Callable[[], bool],
+    on_step: Callable[[dict[str, Any]], None],
+) -> str:
+    """Train until max_steps or a stop request; return "completed" or "stopped" (state saved either way)."""
+    args = trainer.args
+    if trainer.step >= args.max_steps:
+        return "completed"  # resumed a finished job: its final checkpoint is already published
+    loss = None
+    while trainer.step < args.max_steps:
+        if should_stop(stop_requested(), trainer.par.device):
+            trainer.save()
+            return "stopped"
+        metrics = trainer.train_step()
+        loss = metrics["loss"]
+        on_step(metrics)
+        if trainer.step % args.publish_every == 0 and trainer.step < args.max_steps:
+            trainer.publish(loss)
+            trainer.save()
+    trainer.publish(loss)
+    trainer.save()
+    return "completed"

@@ -1,0 +1,163 @@
+"""Data-parallel wrapping and the optimizer: torch AdamW on CPU, megatron's distributed optimizer on GPU.
+
+Both paths wrap the model in megatron's DistributedDataParallel. With `calculate_per_token_loss=True` it sums
+gradients over DP ranks (no 1/DP scaling), which is what the global-token-normalised SFT loss needs. Gradients
+accumulate in DDP's `main_grad` buffers across micro-batches; `finish_grad_sync()` all-reduces them once per step.
+
+* CPU: megatron's optimizer hard-codes CUDA, so `main_grad` is handed to a torch AdamW as `.grad`; the grad norm
+  is computed over TP shards (replicated params counted once) and clipped like `clip_grad_norm_`.
+* GPU: `get_megatron_optimizer` (distributed optimizer, bf16 params with fp32 main params, built-in clipping).
+  This path needs a GPU and is not exercised by the CPU test suite.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from scalarlm.protocol.training import TrainArgs
+from scalarlm.training.parallel import Parallel
+
+logger = logging.getLogger(__name__)
+
+
+class Optimizer(Protocol):
+    """What the loop needs from an optimizer."""
+
+    def step(self, lr: float) -> float:
+        """Sync gradients, clip, update with learning rate `lr`; return the pre-clip global grad norm."""
+
+    def zero_grad(self) -> None:
+        """Clear gradients before the next step's micro-batches."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def wrap_data_parallel(model: torch.nn.Module, par: Parallel) -> torch.nn.Module:
+    """Wrap `model` in megatron DDP over this rank's DP group (grads summed, accumulated in fp32)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=par.on_gpu,
+        average_in_collective=False,
+    )
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices only (not norms or biases), as HF Trainer does."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class CpuAdamW:
+    """torch AdamW over megatron DDP's fp32 main grads, with TP-aware global-norm clipping."""
+
+    def __init__(self, ddp_model: torch.nn.Module, args: TrainArgs, par: Parallel) -> None:
+        self.model = ddp_model
+        self.par = par
+        self.max_norm = args.max_grad_norm
+        self.params = [p for p in ddp_model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(
+            _param_groups(ddp_model, args.weight_decay), lr=args.learning_rate, betas=(0.9, 0.999), eps=1e-8
+        )
+
+    def _grad_norm(self) -> float:
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        sq = torch.zeros((), dtype=torch.float64)
+        for p in self.params:
+            if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
+                sq += p.grad.double().pow(2).sum()
+        if self.par.tp_size > 1:
+            dist.all_reduce(sq, group=self.par.tp_group)
+        return float(sq.sqrt())
+
+    def step(self, lr: float) -> float:
+        self.model.finish_grad_sync()
+        for p in self.params:
+            p.grad = p.main_grad  # megatron DDP reduces into main_grad; torch optimizers read .grad
+        norm = self._grad_norm()
+        coef = self.max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for p in self.params:
+                p.grad.mul_(coef)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.opt.step()
+        return norm
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self.model.zero_grad_buffer()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"adamw": self.opt.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.opt.load_state_dict(state["adamw"])
+
+
+class GpuDistributedOptimizer:
+    """megatron-core's distributed optimizer (bf16 params, fp32 main params and grads, built-in clipping)."""
+
+    def __init__(self, ddp_model: torch.nn.Module, args: TrainArgs, bf16: bool) -> None:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        config = OptimizerConfig(
+            optimizer="adam",
+            lr=args.learning_rate,
+            weight_decay=args.weight_decay,
+            adam_beta1=0.9,
+            adam_beta2=0.999,
+            adam_eps=1e-8,
+            bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            use_distributed_optimizer=True,
+            clip_grad=args.max_grad_norm,
+        )
+        self.model = ddp_model
+        self.opt = get_megatron_optimizer(config, [ddp_model])
+
+    def step(self, lr: float) -> float:
+        self.model.finish_grad_sync()
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        _, grad_norm, _ = self.opt.step()
+        return float(grad_norm or 0.0)
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        self.opt.zero_grad()
+
+    def _sub_optimizers(self) -> list[Any]:
+        return list(getattr(self.opt, "chained_optimizers", [self.opt]))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "megatron": self.opt.state_dict(),
+            "param_state": [o.get_parameter_state_dp_reshardable() for o in self._sub_optimizers()],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.opt.load_state_dict(state["megatron"])
+        for o, s in zip(self._sub_optimizers(), state["param_state"]):
+            o.load_parameter_state_from_dp_reshardable(s)
+
+
+def build_optimizer(ddp_model: torch.nn.Module, args: TrainArgs, par: Parallel, bf16: bool) -> Optimizer:
+    """The optimizer for this device: megatron's distributed optimizer on GPU, torch AdamW on CPU."""
+    if par.on_gpu:
+        return GpuDistributedOptimizer(ddp_model, args, bf16)
+    return CpuAdamW(ddp_model, args, par)
