@@ -119,7 +119,9 @@ def main() -> int:
             openai_demo(url)
         finally:
             code = stop_server(server)
-            print(f"\nserver stopped (exit code {code})")
+            # uvicorn re-raises SIGTERM after its graceful shutdown, so -15 is a clean stop.
+            clean = code in (0, -signal.SIGTERM)
+            print(f"\nserver stopped {'cleanly' if clean else f'with exit code {code}'}")
     return 0
 
 
