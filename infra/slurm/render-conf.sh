@@ -31,6 +31,7 @@ node_memory=${SLURM_NODE_MEMORY_MB:-1024}
 node_gpus=${SLURM_NODE_GPUS:-0}
 gpu_kind=${SLURM_GPU_KIND:-none}              # none | nvidia | amd
 gres_autodetect=${SLURM_GRES_AUTODETECT:-no}  # yes: AutoDetect=nvml / rsmi (needs a SLURM built with it)
+dev_dir=${SLURM_DEV_DIR:-/dev}                # where this node's GPU device files are
 
 export SLURM_CONTROLLER_ADDR_SUFFIX=""
 [ -n "$SLURM_CONTROLLER_ADDR" ] && SLURM_CONTROLLER_ADDR_SUFFIX="($SLURM_CONTROLLER_ADDR)"
@@ -53,7 +54,7 @@ node_lines() {
 # Device files of this node's GPUs: the ones present (a pod sees only its own), else 0..N-1.
 gpu_files() {
   local pattern first
-  if [ "$gpu_kind" = nvidia ]; then pattern='/dev/nvidia[0-9]*'; first=0; else pattern='/dev/dri/renderD*'; first=128; fi
+  if [ "$gpu_kind" = nvidia ]; then pattern="$dev_dir/nvidia[0-9]*"; first=0; else pattern="$dev_dir/dri/renderD*"; first=128; fi
   local found=() f
   for f in $pattern; do [ -c "$f" ] && found+=("$f"); done
   if ((${#found[@]} > 0)); then
