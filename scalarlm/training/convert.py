@@ -133,3 +133,18 @@ def mcore_to_hf(shards: list[dict[str, Tensor]], arch: ModelArch) -> dict[str, T
 def tp_kinds(arch: ModelArch) -> dict[str, Kind]:
     """How each megatron parameter is split across TP ranks (used when gathering for export)."""
     return {rule.mcore: rule.kind for rule in rules(arch)}
+
+
+def mark_tensor_parallel(model: torch.nn.Module, arch: ModelArch) -> None:
+    """Tag TP-sharded parameters the way megatron does at initialisation.
+
+    megatron-core 0.16.1 skips the tags when weights are created on CPU without initialisation (they are loaded
+    from HF right after); grad-norm clipping needs them to count replicated parameters once.
+    """
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    params = dict(model.named_parameters())
+    for name, kind in tp_kinds(arch).items():
+        param = params[name]
+        if kind != "replicated" and not getattr(param, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(param, True, 1 if kind == "dim1" else 0, 1)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from scalarlm.checkpoint import JobDir
 from scalarlm.protocol.training import CheckpointManifest, TrainJobConfig
 from scalarlm.training import hf_io
-from scalarlm.training.convert import hf_to_mcore
+from scalarlm.training.convert import hf_to_mcore, mark_tensor_parallel
 from scalarlm.training.data import BlockStream, DataStats, encode_rows, step_batch
 from scalarlm.training.export import publish_checkpoint
 from scalarlm.training.losses import sft_loss, token_losses
@@ -74,6 +74,7 @@ class Trainer:
             for name, value in mcore.items():
                 params[name].copy_(value)
         del hf, mcore
+        mark_tensor_parallel(model, self.arch)
         return model.to(self.par.device)
 
     def _half(self, model: torch.nn.Module) -> torch.nn.Module:
