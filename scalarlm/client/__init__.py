@@ -3,8 +3,12 @@
 from scalarlm.client.async_client import AsyncScalarLM
 from scalarlm.client.errors import GenerationFailed
 from scalarlm.client.sync_client import ScalarLM
+from scalarlm.client.training import AsyncTrainingJob, TrainingFailed, TrainingJob
 
 # ScalarLM's SDK name for the same client.
 SupermassiveIntelligence = ScalarLM
 
-__all__ = ["AsyncScalarLM", "GenerationFailed", "ScalarLM", "SupermassiveIntelligence"]
+__all__ = [
+    "AsyncScalarLM", "AsyncTrainingJob", "GenerationFailed", "ScalarLM", "SupermassiveIntelligence", "TrainingFailed",
+    "TrainingJob",
+]  # fmt: skip

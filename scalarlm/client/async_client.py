@@ -10,11 +10,12 @@ from scalarlm.client import flows
 from scalarlm.client.connection import auth_headers, resolve_api_key, resolve_api_url
 from scalarlm.client.payloads import PromptInput
 from scalarlm.client.sync_client import DEFAULT_TIMEOUT
+from scalarlm.client.training import AsyncTrainingMethods
 from scalarlm.client.transport import run_async
 from scalarlm.protocol.generate import GenerateResult
 
 
-class AsyncScalarLM:
+class AsyncScalarLM(AsyncTrainingMethods):
     """Async client. Each call opens its own connection pool, so one instance works across event loops."""
 
     def __init__(self, api_url: str | None = None, api_key: str | None = None,

@@ -40,7 +40,10 @@ class Call:
     method: str
     path: str
     json: Any = None
-    files: dict[str, tuple[str, bytes, str]] | None = None
+    files: dict[str, tuple[str | None, bytes, str]] | None = None
+    # A raw body with its headers (chunked training upload).
+    content: bytes | None = None
+    headers: dict[str, str] | None = None
     # Read timeout needed beyond the client default (long polls).
     extra_timeout: float = 0.0
 

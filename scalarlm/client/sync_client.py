@@ -10,14 +10,15 @@ import httpx
 from scalarlm.client import flows
 from scalarlm.client.connection import auth_headers, resolve_api_key, resolve_api_url
 from scalarlm.client.payloads import PromptInput
+from scalarlm.client.training import TrainingMethods
 from scalarlm.client.transport import run_sync
 from scalarlm.protocol.generate import GenerateResult
 
 DEFAULT_TIMEOUT = 60.0
 
 
-class ScalarLM:
-    """Talks to a scalarlm (or ScalarLM) server: batch generate, health, models, queue metrics."""
+class ScalarLM(TrainingMethods):
+    """Talks to a scalarlm (or ScalarLM) server: batch generate, training jobs, health, models, queue metrics."""
 
     def __init__(self, api_url: str | None = None, api_key: str | None = None,
                  timeout: float = DEFAULT_TIMEOUT) -> None:

@@ -19,6 +19,10 @@ def _request_kwargs(call: Call, timeout: httpx.Timeout) -> dict[str, Any]:
         kwargs["json"] = call.json
     if call.files is not None:
         kwargs["files"] = call.files
+    if call.content is not None:
+        kwargs["content"] = call.content
+    if call.headers is not None:
+        kwargs["headers"] = call.headers
     if call.extra_timeout:
         read = (timeout.read or 0.0) + call.extra_timeout
         kwargs["timeout"] = httpx.Timeout(timeout.connect, read=read, write=timeout.write, pool=timeout.pool)

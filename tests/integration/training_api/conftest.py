@@ -8,11 +8,13 @@ starts is a 20-line script that follows the trainer's file contract, so these te
 from __future__ import annotations
 
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 
 from scalarlm.config import Settings
@@ -52,3 +54,24 @@ def wait_status():
             time.sleep(0.1)
 
     return wait
+
+
+@pytest.fixture
+def live_url(settings: Settings, tmp_path: Path) -> Iterator[str]:
+    """A real uvicorn server (in a thread) running the app with the stand-in trainer; yields its URL."""
+    trainer = tmp_path / "stand_in_trainer.py"
+    trainer.write_text(textwrap.dedent(STAND_IN_TRAINER))
+    app = create_app(settings)
+    app.state.training = TrainingJobs(settings, {"local": LocalLauncher(settings, entry=[str(trainer)])})
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the control plane did not start")
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=30)

@@ -19,6 +19,9 @@ STAND_IN_TRAINER = """
     (job / "logs").mkdir(exist_ok=True)
     (job / "logs" / "rank-0.log").write_text("stand-in trainer rank 0\\n")
     status(status="RUNNING", start_time=time.time())
+    if "max_steps: 13\\n" in (job / "job.yaml").read_text():  # a job whose trainer crashes without a status
+        print("ValueError: loss is NaN at step 2", flush=True)
+        sys.exit(1)
     if "max_steps: 1000000" in (job / "job.yaml").read_text():  # a job that runs until cancelled
         import signal
         def on_term(signum, frame):
