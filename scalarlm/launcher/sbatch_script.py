@@ -94,7 +94,11 @@ def render_sbatch(
     else:
         task_lines = f"#SBATCH --ntasks={res.ranks}"
     if launch == "srun":
-        launcher = "srun --mpi=pmix --kill-on-bad-exit=1"
+        # srun names each task by SLURM_* variables; the trainer reads torchrun's names when not under mpirun.
+        launcher = (
+            "srun --mpi=pmix --kill-on-bad-exit=1 bash -c "
+            "'export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID; exec \"$@\"' rank"
+        )
     elif launch == "mpirun":
         launcher = f"mpirun -n {res.ranks} --bind-to none -x MASTER_ADDR -x MASTER_PORT"
     else:

@@ -33,7 +33,8 @@ def test_gpu_job_asks_for_gpus_per_node_on_every_node(settings, new_job):
     assert d["time"] == str((3600 + 120 + 60) // 60)  # room for the final checkpoint after the signal
     assert d["output"] == str(job.logs_dir / "launcher.log")
     assert "8 ranks, tensor_parallel_size=2, data_parallel_size=4" in script
-    assert f"srun --mpi=pmix --kill-on-bad-exit=1 {sys.executable} -m scalarlm.training {job.root}" in script
+    assert "srun --mpi=pmix --kill-on-bad-exit=1 bash -c 'export RANK=$SLURM_PROCID" in script
+    assert f"exec \"$@\"' rank {sys.executable} -m scalarlm.training {job.root}" in script
     assert "trap forward_term TERM" in script
 
 
