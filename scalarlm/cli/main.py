@@ -15,7 +15,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the control plane, a worker, or both in one process (default)")
     p.add_argument("--model", help="base model: a local Hugging Face directory")
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port to listen on (default 8000)")
+    p.add_argument("--port", type=int, help="port to listen on (default 8000; a worker's default is 8001)")
     p.add_argument("--home", help="shared directory for the queue, jobs and checkpoints")
     p.add_argument("--config", help="YAML settings file")
     p.add_argument("--role", choices=["embedded", "api", "worker"], help="what this process runs")
@@ -64,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
 def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """Settings overrides (nested shape) from the `serve` flags that were given."""
     server: dict[str, Any] = {}
-    for flag, key in (("host", "host"), ("port", "port"), ("role", "role"), ("api_url", "api_url"),
+    # A split-mode worker listens on server.worker_port; `--role worker --port N` means that port.
+    port_key = "worker_port" if args.role == "worker" else "port"
+    for flag, key in (("host", "host"), ("port", port_key), ("role", "role"), ("api_url", "api_url"),
                       ("worker_url", "worker_urls"), ("allow_insecure_public", "allow_insecure_public")):
         value = getattr(args, flag)
         if value is not None:
@@ -112,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one `scalarlm` subcommand and return its exit status."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # One INFO line per HTTP request would bury the output of `scalarlm generate`.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     return args.func(args)
 
 

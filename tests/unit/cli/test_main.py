@@ -26,6 +26,8 @@ def test_serve_flags_override_file_and_defaults(tmp_path: Path) -> None:
     assert settings.home == (tmp_path / "home").resolve() and settings.model == "m"
     assert settings.server.role == "api" and settings.server.worker_urls == ["http://w1", "http://w2"]
     assert _settings([]).server.role == "embedded"
+    worker = _settings(["--role", "worker", "--port", "9300", "--api-url", "http://api:9200"])
+    assert worker.server.worker_port == 9300 and worker.server.api_url == "http://api:9200"
 
 
 def test_public_host_without_keys_is_refused() -> None:
