@@ -7,7 +7,8 @@ over-long prompt -> 400 naming the field and the prompt index. Uploads are parse
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+from collections.abc import Hashable, Iterator
 from itertools import islice
 from typing import IO, Any
 
@@ -49,33 +50,62 @@ class BatchBuilder:
         """Items of an uploaded JSON list, validated chunk by chunk; raises InvalidRequest naming the item."""
         _expect_json_list(stream)
         items = enumerate(ijson.items(stream, "item", use_float=True))
+        settled: dict[Hashable, tuple[str, dict[str, Any]]] = {}
         try:
             while chunk := list(islice(items, CHUNK)):
-                yield from self._upload_chunk(chunk)
+                yield from self._upload_chunk(chunk, settled)
         except ijson.JSONError as exc:
             raise InvalidRequest(f"the uploaded file is not valid JSON: {exc}", param="file") from None
 
-    def _upload_chunk(self, chunk: list[tuple[int, Any]]) -> Iterator[dict[str, Any]]:
-        parsed: list[tuple[int, UploadItem]] = []
+    def _upload_chunk(self, chunk: list[tuple[int, Any]], settled: dict[Hashable, tuple[str, dict[str, Any]]]
+                      ) -> Iterator[dict[str, Any]]:
+        texts: list[tuple[int, str]] = []
+        payloads: list[dict[str, Any]] = []
         for index, raw in chunk:
             if not isinstance(raw, dict):
-                raw = {"prompt": raw}  # a bare string (or wrong type, which validation names)
-            try:
-                parsed.append((index, UploadItem.model_validate(raw)))
-            except ValidationError as exc:
-                first = exc.errors()[0]
-                field = ".".join(str(p) for p in first["loc"]) or "item"
-                raise InvalidRequest(f"item {index}: {field}: {first['msg']}", param=f"file[{index}].{field}") from None
-        self.prompts.check_prompts([(i, t) for i, item in parsed if (t := _text(item.prompt_object())) is not None])
-        for index, item in parsed:
-            model = self.catalog.resolve(item.model)
-            sampling = self.sampling(
-                SamplingParams.model_validate(item.model_dump(include=set(SamplingParams.model_fields))),
-                param_prefix=f"file[{index}].",
-            )
-            payload = _payload(item.prompt_object(), sampling)
+                raw = {"prompt": raw}  # a bare string (or a wrong type, which validation names)
+            prompt = raw.get("prompt")
+            # Fast path: a string prompt whose model and sampling fields were already validated on an
+            # earlier item (SDK uploads repeat the same ones on every row).
+            key = _settings_key(raw) if isinstance(prompt, str) and "messages" not in raw else None
+            if key is not None and key in settled:
+                model, sampling = settled[key]
+                payload = {"prompt": prompt, "sampling": sampling}
+            else:
+                item = self._validate_item(index, raw)
+                model = self.catalog.resolve(item.model)
+                sampling = self.sampling(
+                    SamplingParams.model_validate(item.model_dump(include=set(SamplingParams.model_fields))),
+                    param_prefix=f"file[{index}].",
+                )
+                if key is not None:
+                    settled[key] = (model, sampling)
+                payload = _payload(item.prompt_object(), sampling)
+            if isinstance(payload.get("prompt"), str):
+                texts.append((index, payload["prompt"]))
             payload["model"] = model
-            yield payload
+            payloads.append(payload)
+        self.prompts.check_prompts(texts)
+        yield from payloads
+
+    @staticmethod
+    def _validate_item(index: int, raw: dict[str, Any]) -> UploadItem:
+        try:
+            return UploadItem.model_validate(raw)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field = ".".join(str(p) for p in first["loc"]) or "item"
+            raise InvalidRequest(f"item {index}: {field}: {first['msg']}", param=f"file[{index}].{field}") from None
+
+
+def _settings_key(raw: dict[str, Any]) -> Hashable:
+    """Everything of an upload row but its prompt, as a cache key."""
+    key = tuple(sorted((k, v) for k, v in raw.items() if k != "prompt"))
+    try:
+        hash(key)
+    except TypeError:  # a list value (stop strings): fall back to its JSON text
+        return json.dumps({k: v for k, v in raw.items() if k != "prompt"}, sort_keys=True)
+    return key
 
 
 def _text(prompt: str | PromptObject) -> str | None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
 from starlette.datastructures import UploadFile
 
 from scalarlm.protocol.errors import InvalidRequest
@@ -41,8 +43,10 @@ def get_builder(state: StateDep, prompts: PromptsDep) -> BatchBuilder:
 BuilderDep = Annotated[BatchBuilder, Depends(get_builder)]
 
 
-@router.post("", response_model=GenerateResponse, response_model_exclude_none=False)
-async def generate(body: GenerateRequest, queue: QueueDep, builder: BuilderDep, settings: SettingsDep) -> GenerateResponse:
+@router.post("", response_model=GenerateResponse)
+async def generate(
+    body: GenerateRequest, queue: QueueDep, builder: BuilderDep, settings: SettingsDep
+) -> GenerateResponse | Response:
     """Store every prompt in one transaction; answer at once or after up to `wait_seconds` for results."""
     if len(body.prompts) > settings.generate.max_batch_prompts:
         raise InvalidRequest(
@@ -53,8 +57,17 @@ async def generate(body: GenerateRequest, queue: QueueDep, builder: BuilderDep, 
     batch = await queue.enqueue(items, model)
     wait = body.wait_seconds or 0.0
     if wait <= 0:
-        return GenerateResponse(results=[GenerateResult(request_id=r, model=model) for r in batch.request_ids])
+        return Response(_queued_results_json(batch.request_ids, model), media_type="application/json")
     return GenerateResponse(results=await queue.wait_results(batch.request_ids, wait))
+
+
+def _queued_results_json(request_ids: list[str], model: str) -> bytes:
+    """`GenerateResponse` JSON for just-stored items, written directly: for 200k prompts, building
+    200k pydantic objects would cost seconds and hundreds of MB for identical entries."""
+    marker = "\x00request-id\x00"
+    before, after = GenerateResult(request_id=marker, model=model).model_dump_json().split(json.dumps(marker))
+    entries = ",".join(f"{before}{json.dumps(rid)}{after}" for rid in request_ids)
+    return f'{{"results":[{entries}]}}'.encode()
 
 
 @router.post("/get_results", response_model=GenerateResponse)
