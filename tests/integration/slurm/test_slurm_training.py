@@ -1,0 +1,93 @@
+"""A real training job through the control plane on the real SLURM test cluster (`launcher: slurm`).
+
+The control plane's own SlurmLauncher writes the sbatch script into the job directory and calls
+sbatch/squeue/scancel from PATH (SLURM_CONF points at the test cluster); slurmd runs the real trainer
+(`python -m scalarlm.training <job_dir>`, megatron-core on CPU) on the tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from scalarlm.checkpoint import JobDir
+from scalarlm.config import Settings
+from scalarlm.launcher import read_record
+from scalarlm.server.app import create_app
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(600)]
+
+ROWS = [{"input": f"What is {i} + {i}?", "output": str(2 * i)} for i in range(16)]
+# Small enough for 2 CPU cores: a few steps of the tiny model, a checkpoint published at every step.
+TRAIN_ARGS = {"launcher": "slurm", "gpus": 0, "cpu_ranks": 1, "max_steps": 2, "steps_per_checkpoint": 1,
+              "learning_rate": 1e-3, "max_seq_len": 64, "timeout": 600, "dtype": "float32"}  # fmt: skip
+
+
+@pytest.fixture
+def slurm_client(slurm_cluster, tiny_model_dir: Path, tmp_path: Path) -> Iterator[TestClient]:
+    """The real control plane with the SLURM launcher chosen in its settings."""
+    settings = Settings(home=tmp_path / "home", model=str(tiny_model_dir),
+                        training={"launcher": "slurm", "poll_seconds": 0.5})  # fmt: skip
+    with TestClient(create_app(settings)) as client:
+        yield client
+
+
+def submit(client: TestClient, args: dict) -> str:
+    jsonl = "".join(json.dumps(r) + "\n" for r in ROWS).encode()
+    files = {"file": ("dataset", jsonl, "application/octet-stream"), "params": (None, json.dumps(args), "application/json")}
+    response = client.post("/v1/megatron/train", files=files)
+    assert response.status_code == 200, response.text
+    return response.json()["job_status"]["job_id"]
+
+
+def wait_for(client: TestClient, job_id: str, states: set[str], timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    body: dict = {}
+    while time.monotonic() < deadline:
+        body = client.get(f"/v1/megatron/train/{job_id}").json()
+        if body["job_status"]["status"] in states:
+            return body
+        time.sleep(0.5)
+    logs = client.get(f"/v1/megatron/train/{job_id}/logs").text
+    pytest.fail(f"job {job_id} not in {states} after {timeout}s: {body}\nlogs:\n{logs[-3000:]}")
+
+
+def test_training_job_on_slurm_completes_and_publishes(slurm_cluster, slurm_client):
+    job_id = submit(slurm_client, TRAIN_ARGS)
+    job_root = Path(slurm_client.get(f"/v1/megatron/train/{job_id}").json()["job_status"]["job_directory"])
+    record = read_record(JobDir(job_root))
+    assert record is not None and record.launcher == "slurm"
+
+    body = wait_for(slurm_client, job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=420)
+    assert body["job_status"]["status"] == "COMPLETED", body
+
+    # SLURM ran it: the sbatch script is in the job directory and SLURM's record says COMPLETED.
+    assert (job_root / "sbatch.sh").is_file()
+    assert slurm_cluster.wait_state(record.launcher_id, {"COMPLETED"}, timeout=60) == "COMPLETED"
+    # A published checkpoint: checkpoints/latest names a complete step directory with its manifest.
+    latest = (job_root / "checkpoints" / "latest").read_text().strip()
+    step_dir = job_root / "checkpoints" / latest
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    assert manifest["job_id"] == job_id and manifest["step"] == 2
+    assert any(step_dir.glob("*.safetensors"))
+    (entry,) = [m for m in slurm_client.get("/v1/megatron/list_models").json()["models"] if m["name"] == job_id]
+    assert entry["status"] == "COMPLETED" and entry["step"] == 2
+
+
+def test_cancelled_slurm_job_is_cancelled(slurm_cluster, slurm_client):
+    job_id = submit(slurm_client, {**TRAIN_ARGS, "max_steps": 100000, "steps_per_checkpoint": 100000})
+    wait_for(slurm_client, job_id, {"RUNNING"}, timeout=300)
+
+    response = slurm_client.post(f"/v1/megatron/cancel/{job_id}")
+    assert response.status_code == 200, response.text
+
+    body = wait_for(slurm_client, job_id, {"CANCELLED", "FAILED", "COMPLETED"}, timeout=120)
+    assert body["job_status"]["status"] == "CANCELLED", body
+    job_root = Path(body["job_status"]["job_directory"])
+    record = read_record(JobDir(job_root))
+    assert slurm_cluster.wait_state(record.launcher_id, {"CANCELLED"}, timeout=60) == "CANCELLED"
