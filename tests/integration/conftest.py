@@ -1,0 +1,61 @@
+"""Shared integration fixtures: one real vLLM engine (tiny model, in-process EngineCore) per session.
+
+Async tests that use the engine must run on the session event loop (the engine's output task lives
+there): mark them `pytest.mark.asyncio(loop_scope="session")`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+
+@pytest.fixture(scope="session")
+def inference_settings(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Settings for the test engine: float32 (HF parity), 1 GiB KV cache, max_model_len 512, eager."""
+    from scalarlm.config import Settings
+
+    return Settings(
+        model=str(tiny_model_dir),
+        served_model_name="tiny",
+        home=tmp_path_factory.mktemp("home"),
+        engine={
+            "dtype": "float32",
+            "kv_cache_bytes": 1 << 30,
+            "max_model_len": 512,
+            "max_num_seqs": 128,
+            "enforce_eager": True,
+            "enable_lora": False,
+        },
+        generate={"default_max_tokens": 8},
+    )
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def vllm_engine(inference_settings: Any) -> AsyncIterator[Any]:
+    """A started `scalarlm.inference.engine.Engine`, shared by the whole session (~15 s to start once)."""
+    from scalarlm.inference.process_env import configure_vllm_process_env
+
+    configure_vllm_process_env()
+    from scalarlm.inference.engine import start_engine
+
+    engine = start_engine(inference_settings)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def openai_backend(vllm_engine: Any, inference_settings: Any) -> Any:
+    """The worker's `VllmOpenAIBackend` attached to the session engine."""
+    from scalarlm.inference.openai_backend import VllmOpenAIBackend
+    from scalarlm.inference.versions import ModelVersions
+
+    backend = VllmOpenAIBackend(inference_settings)
+    await backend.attach(vllm_engine, ModelVersions(inference_settings.base_model_name))
+    return backend

@@ -1,0 +1,76 @@
+"""Protocol sampling params reach vLLM unchanged; unset ones get ScalarLM's defaults."""
+
+from __future__ import annotations
+
+from scalarlm.inference.process_env import configure_vllm_process_env
+
+configure_vllm_process_env()
+
+from vllm.sampling_params import RequestOutputKind  # noqa: E402
+
+from scalarlm.inference.sampling import to_engine_prompt, to_vllm_sampling  # noqa: E402
+from scalarlm.protocol.generate import ChatMessage, SamplingParams, WorkItem  # noqa: E402
+
+
+def test_defaults_are_greedy_with_configured_max_tokens() -> None:
+    sp = to_vllm_sampling(SamplingParams(), default_max_tokens=24)
+    assert sp.temperature == 0.0
+    assert sp.max_tokens == 24
+    assert sp.n == 1
+    assert sp.logprobs is None
+    assert sp.seed is None
+    assert sp.output_kind == RequestOutputKind.FINAL_ONLY
+
+
+def test_every_knob_is_passed_through() -> None:
+    params = SamplingParams(
+        max_tokens=7,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        n=3,
+        stop=["\n", "END"],
+        seed=1234,
+        logprobs=2,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        ignore_eos=True,
+    )
+    sp = to_vllm_sampling(params, default_max_tokens=16)
+    assert sp.max_tokens == 7
+    assert sp.temperature == 0.7
+    assert sp.top_p == 0.9
+    assert sp.top_k == 40
+    assert sp.min_p == 0.05
+    assert sp.n == 3
+    assert sp.stop == ["\n", "END"]
+    assert sp.seed == 1234
+    assert sp.logprobs == 2
+    assert sp.presence_penalty == 0.5
+    assert sp.frequency_penalty == -0.5
+    assert sp.repetition_penalty == 1.2
+    assert sp.ignore_eos is True
+
+
+def test_explicit_temperature_is_honoured_and_stop_string_kept() -> None:
+    sp = to_vllm_sampling(SamplingParams(temperature=1.5, stop="###"), default_max_tokens=16)
+    assert sp.temperature == 1.5
+    assert sp.stop == ["###"]
+
+
+def test_prompts_text_as_is_and_chat_through_the_model_template(tiny_model_dir) -> None:  # noqa: ANN001
+    from transformers import AutoTokenizer
+
+    text = WorkItem(request_id="a", model="m", prompt="Hello there", sampling=SamplingParams())
+    assert to_engine_prompt(text, tokenizer=None) == {"prompt": "Hello there"}
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    chat = WorkItem(
+        request_id="b", model="m", messages=[ChatMessage(role="user", content="hi")], sampling=SamplingParams()
+    )
+    prompt = to_engine_prompt(chat, tokenizer=tokenizer)
+    rendered = tokenizer.decode(prompt["prompt_token_ids"])
+    assert rendered.endswith("<|assistant|>\n")  # add_generation_prompt=True
+    assert "<|user|>\nhi" in rendered
