@@ -57,6 +57,7 @@ def server_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+            pytest.fail(f"scalarlm serve ignored SIGTERM for 60 s:\n{log.read_text()[-3000:]}")
 
 
 @pytest.fixture(scope="session")

@@ -70,3 +70,16 @@ def test_qwen2_family_has_qkv_bias_and_tied_embeddings(tmp_path: Path) -> None:
 def test_rejects_unsupported_head_size(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="head size"):
         make_tiny_model(tmp_path / "bad", hidden=96, heads=4)
+
+
+def test_peft_lora_attaches_and_runs(tiny_model_dir: Path) -> None:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert 0 < trainable < sum(p.numel() for p in model.parameters()) // 10
+    logits = model(torch.tensor([[0, 5, 6]])).logits
+    assert logits.shape == (1, 3, 512)
