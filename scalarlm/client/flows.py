@@ -46,6 +46,8 @@ class Call:
     headers: dict[str, str] | None = None
     # Read timeout needed beyond the client default (long polls).
     extra_timeout: float = 0.0
+    # Safe to send again after a dropped connection or a gateway error (a read of durable results).
+    retry: bool = False
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,8 @@ def get_results(request_ids: list[str], wait_seconds: float | None = None) -> Fl
     payload: dict[str, Any] = {"request_ids": list(request_ids)}
     if wait_seconds is not None:
         payload["wait_seconds"] = wait_seconds
-    body = yield Call("POST", "/v1/generate/get_results", json=payload, extra_timeout=wait_seconds or 0.0)
+    body = yield Call("POST", "/v1/generate/get_results", json=payload, extra_timeout=wait_seconds or 0.0,
+                      retry=True)
     return GenerateResponse.model_validate(body).results
 
 
@@ -129,7 +132,7 @@ def _upload_and_download(wire: list[Any], model_name: str | None, fields: dict[s
     while True:
         body = yield Call("POST", "/v1/generate/download",
                           json={"request_id": batch.request_id, "wait_seconds": POLL_WAIT_SECONDS},
-                          extra_timeout=POLL_WAIT_SECONDS)
+                          extra_timeout=POLL_WAIT_SECONDS, retry=True)
         page = DownloadResponse.model_validate(body)
         before = len(collected)
         for key, result in page.results.items():

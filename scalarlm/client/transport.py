@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -11,6 +12,28 @@ import httpx
 from scalarlm.client.connection import decode
 from scalarlm.client.flows import Call, Flow, Sleep
 from scalarlm.protocol.errors import ScalarLMError
+
+logger = logging.getLogger(__name__)
+
+# A batch's results are durable on the server, so a poll survives a short network or gateway outage.
+RETRIES = 6
+FIRST_BACKOFF_SECONDS = 0.5
+MAX_BACKOFF_SECONDS = 8.0
+GATEWAY_STATUSES = frozenset({502, 503, 504})
+
+
+def _backoff(attempt: int) -> float:
+    return min(MAX_BACKOFF_SECONDS, FIRST_BACKOFF_SECONDS * 2**attempt)
+
+
+def _should_retry(call: Call, attempt: int, response: httpx.Response | None, exc: Exception | None) -> bool:
+    if not call.retry or attempt >= RETRIES:
+        return False
+    if exc is None and (response is None or response.status_code not in GATEWAY_STATUSES):
+        return False
+    logger.warning("%s %s failed (%s); retrying in %.1f s", call.method, call.path,
+                   exc or f"HTTP {response.status_code}", _backoff(attempt))
+    return True
 
 
 def _request_kwargs(call: Call, timeout: httpx.Timeout) -> dict[str, Any]:
@@ -42,11 +65,26 @@ def run_sync(http: httpx.Client, flow: Flow) -> Any:
         if isinstance(step, Sleep):
             time.sleep(step.seconds)
             continue
-        response = http.request(step.method, step.path, **_request_kwargs(step, http.timeout))
         try:
-            to_send = decode(response)
+            to_send = decode(_send_sync(http, step))
         except ScalarLMError as exc:
             to_throw = exc
+
+
+def _send_sync(http: httpx.Client, call: Call) -> httpx.Response:
+    """One request, resent after transient failures when the call allows it."""
+    attempt = 0
+    while True:
+        try:
+            response = http.request(call.method, call.path, **_request_kwargs(call, http.timeout))
+        except httpx.TransportError as exc:
+            if not _should_retry(call, attempt, None, exc):
+                raise
+        else:
+            if not _should_retry(call, attempt, response, None):
+                return response
+        time.sleep(_backoff(attempt))
+        attempt += 1
 
 
 async def run_async(http: httpx.AsyncClient, flow: Flow) -> Any:
@@ -62,8 +100,23 @@ async def run_async(http: httpx.AsyncClient, flow: Flow) -> Any:
         if isinstance(step, Sleep):
             await asyncio.sleep(step.seconds)
             continue
-        response = await http.request(step.method, step.path, **_request_kwargs(step, http.timeout))
         try:
-            to_send = decode(response)
+            to_send = decode(await _send_async(http, step))
         except ScalarLMError as exc:
             to_throw = exc
+
+
+async def _send_async(http: httpx.AsyncClient, call: Call) -> httpx.Response:
+    """One request, resent after transient failures when the call allows it."""
+    attempt = 0
+    while True:
+        try:
+            response = await http.request(call.method, call.path, **_request_kwargs(call, http.timeout))
+        except httpx.TransportError as exc:
+            if not _should_retry(call, attempt, None, exc):
+                raise
+        else:
+            if not _should_retry(call, attempt, response, None):
+                return response
+        await asyncio.sleep(_backoff(attempt))
+        attempt += 1
