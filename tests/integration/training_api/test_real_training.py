@@ -91,3 +91,15 @@ def test_killed_trainer_is_failed_with_the_reason(real_client):
     status = wait_done(real_client, job_id, lambda s: s["status"] != "RUNNING", timeout=60)["job_status"]
     assert status["status"] == "FAILED"
     assert status["reason"].startswith(f"trainer process {pid} was killed by SIGKILL without a final status; last step ")
+
+
+def test_two_cpu_ranks_run_under_mpirun(real_client):
+    """cpu_ranks=2: the LocalLauncher starts `mpirun -n 2` (root-safe env) and both ranks train and log."""
+    response = post_train(real_client, sdk_archive(MEMORISE), {**TRAIN_ARGS, "max_steps": 2, "cpu_ranks": 2})
+    assert response.status_code == 200, response.text
+    job_id = response.json()["job_status"]["job_id"]
+    body = wait_done(real_client, job_id, lambda s: s["status"] in ("COMPLETED", "FAILED", "CANCELLED"))
+    job_root = Path(body["job_status"]["job_directory"])
+    assert body["job_status"]["status"] == "COMPLETED", real_client.get(f"/v1/megatron/train/{job_id}/logs").text
+    assert read_record(JobDir(job_root)).command[1:3] == ["-n", "2"]
+    assert (job_root / "logs" / "rank-1.log").is_file()
