@@ -19,7 +19,12 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
 from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
-from vllm.entrypoints.serve.exception_handling.handlers.validation import clean_loc_for_param
+from vllm.entrypoints.serve.exception_handling.handlers.validation import (  # vLLM's own message format
+    _MAX_REPORTED_ERRORS,
+    _format_error,
+    clean_loc_for_param,
+)
+from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
 
 from scalarlm.config import Settings
 from scalarlm.inference.engine import Engine
@@ -37,13 +42,18 @@ _REQUEST_MODELS: dict[str, type[Any]] = {
 
 
 def validation_error(exc: ValidationError) -> ErrorResponse:
-    """vLLM's 400 body for a request that fails validation (same message shape as its server)."""
-    errors = exc.errors(include_url=False, include_context=False, include_input=False)
-    param = clean_loc_for_param(("body", *errors[0]["loc"])) if errors else None
+    """vLLM's 400 body for a request body that fails validation, built with its own formatter."""
+    # FastAPI reports body errors with a leading "body" in `loc` and without pydantic's docs URL.
+    errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+    param = clean_loc_for_param(errors[0]["loc"]) if errors else None
     label = "error" if len(errors) == 1 else "errors"
-    lines = "".join(f"  {{'type': {e['type']!r}, 'loc': {('body', *e['loc'])!r}, 'msg': {e['msg']!r}}}\n" for e in errors[:10])
-    message = f"{len(errors)} validation {label}:\n{lines}".rstrip()
-    return ErrorResponse(error=ErrorInfo(message=message, type="Bad Request", code=400, param=param))
+    reported = errors[:_MAX_REPORTED_ERRORS]
+    message = f"{len(errors)} validation {label}:\n" + "".join(f"  {_format_error(e)}\n" for e in reported)
+    if len(errors) > len(reported):
+        message += f"  ...and {len(errors) - len(reported)} more {label}\n"
+    return ErrorResponse(
+        error=ErrorInfo(message=sanitize_message(message.rstrip()), type="Bad Request", code=400, param=param)
+    )
 
 
 def _error_reply(error: ErrorResponse) -> OpenAIReply:
