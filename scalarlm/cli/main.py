@@ -90,10 +90,20 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from scalarlm.client import ScalarLM
+    import httpx
 
-    llm = ScalarLM(api_url=args.api_url)
-    results = llm.generate(args.prompts, model_name=args.model_name, max_tokens=args.max_tokens)
+    from scalarlm.client import ScalarLM
+    from scalarlm.protocol.errors import ScalarLMError
+
+    with ScalarLM(api_url=args.api_url) as llm:
+        try:
+            results = llm.generate(args.prompts, model_name=args.model_name, max_tokens=args.max_tokens)
+        except httpx.TransportError as exc:
+            print(f"scalarlm: cannot reach {llm.api_url}: {exc}", file=sys.stderr)
+            return 1
+        except ScalarLMError as exc:
+            print(f"scalarlm: {type(exc).__name__}: {exc.message}", file=sys.stderr)
+            return 1
     for result in results:
         print(result)
     return 0

@@ -14,3 +14,12 @@ def test_cli_generate_prints_each_completion(server_url: str) -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert len(done.stdout.rstrip("\n").split("\n")) >= 2
+
+
+def test_cli_generate_reports_typed_errors(server_url: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "scalarlm.cli", "generate", "Hello", "--api-url", server_url,
+         "--model-name", "no-such-model"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 1 and "NotFound" in done.stderr

@@ -38,3 +38,15 @@ def test_public_host_without_keys_is_refused() -> None:
         check_exposure(_settings(["--host", "0.0.0.0"]))
     check_exposure(_settings(["--host", "0.0.0.0", "--allow-insecure-public"]))
     check_exposure(load_settings(server={"host": "0.0.0.0", "api_keys": ["k"]}))
+
+
+def test_generate_reports_an_unreachable_server(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    from scalarlm.cli.main import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once closed
+    assert main(["generate", "hi", "--api-url", f"http://127.0.0.1:{port}", "--max-tokens", "2"]) == 1
+    assert "cannot reach" in capsys.readouterr().err
