@@ -28,15 +28,53 @@ stop_pid() {  # stop_pid PIDFILE: TERM, wait up to 10 s, then KILL
   rm -f "$1"
 }
 
+# Processes of this cluster's jobs (slurmstepd and the tasks it started) outlive slurmd: find them by
+# the SLURM_CONF they inherited from slurmd or sbatch, and stop them too.
+job_pids() {
+  local conf="SLURM_CONF=$base/etc/slurm.conf" env pid
+  for env in /proc/[0-9]*/environ; do
+    pid=${env#/proc/}; pid=${pid%/environ}
+    [ "$pid" != $$ ] || continue
+    grep -qzxF "$conf" "$env" 2>/dev/null || continue
+    if [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = slurmstepd ] || grep -qz '^SLURM_JOB_ID=' "$env" 2>/dev/null; then
+      echo "$pid"
+    fi
+  done
+}
+
 stop() {
+  local jobs pids ctld
+  ctld=$(pid_of "$base/run/slurmctld.pid")
+  if [ -n "$ctld" ] && kill -0 "$ctld" 2>/dev/null && [ -f "$base/etc/slurm.conf" ]; then
+    # Cancel what is still queued or running, so slurmstepd cleans up while slurmd is alive.
+    jobs=$(SLURM_CONF="$base/etc/slurm.conf" squeue -h -o %i 2>/dev/null || true)
+    if [ -n "$jobs" ]; then
+      # shellcheck disable=SC2086
+      SLURM_CONF="$base/etc/slurm.conf" scancel $jobs 2>/dev/null || true
+      for _ in $(seq 100); do
+        [ -z "$(SLURM_CONF="$base/etc/slurm.conf" squeue -h -o %i 2>/dev/null)" ] && break
+        sleep 0.1
+      done
+    fi
+  fi
   stop_pid "$base/run/slurmd-localhost.pid"
   stop_pid "$base/run/slurmctld.pid"
   stop_pid "$base/munge/munged.pid"
+  pids=$(job_pids)
+  if [ -n "$pids" ]; then
+    # shellcheck disable=SC2086
+    kill -TERM $pids 2>/dev/null || true
+    sleep 1
+    # shellcheck disable=SC2086
+    kill -KILL $(job_pids) 2>/dev/null || true
+  fi
 }
 
 alive() {  # alive PIDFILE NAME: fail fast when a daemon died after forking (they exit 0 anyway)
   local pid
   pid=$(pid_of "$1")
+  # A daemon writes its pid file a moment after forking: give it 10 s before calling it dead.
+  [ -z "$pid" ] && ((SECONDS < started + 10)) && return 0
   if [ -z "$pid" ] || ! kill -0 "$pid" 2>/dev/null; then
     echo "local-cluster: $2 is not running; its log:" >&2
     tail -n 20 "$base/log/$2.log" >&2 2>/dev/null || true
@@ -71,6 +109,7 @@ start() {
     "$here/render-conf.sh" >/dev/null
 
   export SLURM_CONF="$base/etc/slurm.conf"
+  started=$SECONDS
   slurmctld
   slurmd -N localhost
   local deadline=$((SECONDS + ${SLURM_START_TIMEOUT:-30})) state=""
