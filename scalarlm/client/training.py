@@ -167,8 +167,11 @@ def wait_flow(job_id: str, timeout: float | None, poll_seconds: float, progress:
 
 def plot_metrics(metrics: list[dict[str, Any]], path: str | Path, title: str) -> Path:
     """Write a PNG loss curve (step vs loss) with matplotlib's Agg canvas (no global pyplot state)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError("plot() needs matplotlib: pip install matplotlib") from e
 
     points = [(row["step"], row["loss"]) for row in metrics if row.get("loss") is not None and "step" in row]
     if not points:

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
@@ -96,6 +97,8 @@ class LocalLauncher:
                 env=self._environment(), start_new_session=True,
             )  # fmt: skip
         self._children[job.job_id] = proc
+        # Reap the child the moment it exits, so finished jobs leave no zombie behind.
+        threading.Thread(target=proc.wait, name=f"reap-{job.job_id}", daemon=True).start()
         record = LaunchRecord(
             launcher="local", launcher_id=str(proc.pid), pid=proc.pid,
             start_ticks=start_ticks(proc.pid), command=cmd, submitted=time.time(),

@@ -31,7 +31,7 @@ from scalarlm.launcher import (
     reconcile,
     validate_rows,
 )
-from scalarlm.protocol.errors import InvalidRequest, NotFound, ScalarLMError
+from scalarlm.protocol.errors import EngineUnavailable, InvalidRequest, NotFound, ScalarLMError
 from scalarlm.protocol.training import (
     NAME_PATTERN,
     DeleteJobResponse,
@@ -152,7 +152,10 @@ class TrainingJobs:
             job.write_config(config)
             with self._lock:
                 job.write_status(JobStatus(job_id=job.job_id, max_steps=args.max_steps, launcher=launcher.name))
-                launcher_id = launcher.submit(job, config)
+                try:
+                    launcher_id = launcher.submit(job, config)
+                except OSError as e:
+                    raise EngineUnavailable(f"could not start the trainer: {e}") from e
                 status = job.update_status(launcher_id=launcher_id)
         except ScalarLMError:
             shutil.rmtree(job.root, ignore_errors=True)
