@@ -24,17 +24,20 @@ def default_worker_id() -> str:
 class InProcessWorker:
     """`EmbeddedWorker`: build the engine inside the running loop on `start`, pull work until `stop`."""
 
-    def __init__(self, settings: Settings, worker_id: str | None = None) -> None:
+    def __init__(self, settings: Settings, worker_id: str | None = None, engine: Engine | None = None) -> None:
+        """`engine`: an already running engine to use (and leave running on stop), e.g. a test's shared one."""
         self.settings = settings
         self.worker_id = worker_id or default_worker_id()
         self.versions = ModelVersions(settings.base_model_name)
         self.backend = VllmOpenAIBackend(settings)
-        self.engine: Engine | None = None
+        self.engine: Engine | None = engine
+        self._owns_engine = engine is None
         self.pull_loop: PullLoop | None = None
 
     async def start(self, source: WorkSource) -> None:
         """Build the engine and the OpenAI serving objects, then start pulling from `source`."""
-        self.engine = start_engine(self.settings)
+        if self.engine is None:
+            self.engine = start_engine(self.settings)
         await self.backend.attach(self.engine, self.versions)
         self.pull_loop = PullLoop(self.engine, source, self.settings, self.worker_id, self.versions)
         self.pull_loop.start()
@@ -46,6 +49,6 @@ class InProcessWorker:
             await self.pull_loop.stop()
             self.pull_loop = None
         self.backend.detach()
-        if self.engine is not None:
+        if self.engine is not None and self._owns_engine:
             self.engine.shutdown()
             self.engine = None

@@ -1,0 +1,102 @@
+"""Split mode over real HTTP: a control plane (`--role api`) and a worker app, both served by uvicorn.
+
+The worker pulls batch work through `HttpWorkSource` and serves the OpenAI routes the control plane
+forwards to. The worker reuses the session engine, so no second engine starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _serve(app: Any, port: int) -> tuple[Any, asyncio.Task[None]]:
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    for _ in range(600):
+        if server.started or task.done():
+            break
+        await asyncio.sleep(0.05)
+    assert server.started, "server did not start"
+    return server, task
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def split(vllm_engine: Any, inference_settings: Any, tmp_path: Any) -> AsyncIterator[dict[str, str]]:
+    from scalarlm.inference.worker import InProcessWorker
+    from scalarlm.inference.worker_app import create_worker_app
+    from scalarlm.server.app import create_app
+
+    api_port, worker_port = _free_port(), _free_port()
+    api_url, worker_url = f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{worker_port}"
+    server = inference_settings.server.model_copy(
+        update={"role": "api", "port": api_port, "worker_port": worker_port, "api_url": api_url,
+                "worker_urls": [worker_url]}
+    )
+    settings = inference_settings.model_copy(update={"server": server, "home": tmp_path})
+    control, control_task = await _serve(create_app(settings), api_port)
+    worker_app = create_worker_app(settings, InProcessWorker(settings, worker_id="split-worker", engine=vllm_engine))
+    worker, worker_task = await _serve(worker_app, worker_port)
+    try:
+        yield {"api": api_url, "worker": worker_url}
+    finally:
+        worker.should_exit = True
+        await worker_task
+        control.should_exit = True
+        await control_task
+
+
+async def test_batch_and_openai_through_split_mode(split: dict[str, str], vllm_engine: Any) -> None:
+    async with httpx.AsyncClient(timeout=120) as client:
+        health = await client.get(f"{split['worker']}/health")
+        assert health.status_code == 200
+        load = (await client.get(f"{split['worker']}/load")).json()
+        assert load["max_num_seqs"] == 128
+
+        prompts = [f"Tell me about {i}" for i in range(20)]
+        submitted = await client.post(f"{split['api']}/v1/generate", json={"prompts": prompts, "max_tokens": 4})
+        assert submitted.status_code == 200, submitted.text
+        ids = [r["request_id"] for r in submitted.json()["results"]]
+        results = (await client.post(f"{split['api']}/v1/generate/get_results",
+                                     json={"request_ids": ids, "wait_seconds": 100})).json()["results"]
+        assert [r["status"] for r in results] == ["completed"] * 20
+        assert all(r["model"] == "tiny" and r["version"] == 0 and r["response"] is not None for r in results)
+
+        # Interactive requests: the control plane forwards to the worker's OpenAI routes.
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+        direct = await client.post(f"{split['worker']}/v1/chat/completions", json=chat)
+        forwarded = await client.post(f"{split['api']}/v1/chat/completions", json=chat)
+        assert direct.status_code == forwarded.status_code == 200
+        assert forwarded.json()["choices"][0]["message"] == direct.json()["choices"][0]["message"]
+        assert forwarded.json()["system_fingerprint"] == "scalarlm-tiny-v0"
+
+        async with client.stream("POST", f"{split['worker']}/v1/completions",
+                                 json={"model": "tiny", "prompt": "hi", "max_tokens": 3, "stream": True}) as resp:
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            raw = (await resp.aread()).decode()
+        events = [e for e in raw.split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        assert all(json.loads(e[6:])["scalarlm_version"] == 0 for e in events[:-1])
+
+        bad = await client.post(f"{split['worker']}/v1/completions", content=b"{not json")
+        assert bad.status_code == 400 and "error" in bad.json()
+        models = (await client.get(f"{split['worker']}/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == ["tiny"]
+    assert vllm_engine.load.in_flight == 0
