@@ -24,7 +24,9 @@ import masint
 llm = masint.SupermassiveIntelligence(api_url=sys.argv[1])
 count = int(sys.argv[2])
 texts = llm.generate([f"What is {i} + 2?" for i in range(count)], max_tokens=8)
-print(json.dumps({"texts": texts, "health": llm.health()}))
+status = {"health": llm.health(), "models": llm.list_models(), "gpus": llm.get_gpu_count(),
+          "nodes": llm.get_node_count(), "metrics": llm.metrics()}
+print(json.dumps({"texts": texts, **status}))
 """
 
 
@@ -59,3 +61,6 @@ def test_sdk_generate(sdk_python: Path, server_url: str, count: int) -> None:
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(out["texts"]) == count and all(isinstance(t, str) and t for t in out["texts"])
     assert out["health"]["all"] == "up"
+    assert isinstance(out["models"]["models"], list)
+    assert out["gpus"] >= 0 and out["nodes"] >= 1
+    assert out["metrics"]["total_completed"] >= count
