@@ -21,7 +21,7 @@ from scalarlm.protocol.generate import (
     ModelVersion,
     QueueCounts,
 )
-from scalarlm.queue.store import BatchProgress, EnqueuedBatch, RequestQueue, Throughput
+from scalarlm.queue.store import EnqueuedBatch, RequestQueue, Throughput
 
 logger = logging.getLogger(__name__)
 
@@ -87,15 +87,15 @@ class QueueService:
         await self._wait_until(lambda: self.queue.count_finished(request_ids) >= total, timeout)
         return await self.get(request_ids)
 
-    async def wait_batch(self, batch_id: str, timeout: float) -> BatchProgress:
-        """Long-poll a batch: return its progress once complete or after `timeout` seconds."""
+    async def wait_batch(self, batch_id: str, timeout: float) -> tuple[int, int]:
+        """Long-poll a batch: (total, finished) once it is complete or after `timeout` seconds."""
 
         def done() -> bool:
             total, finished = self.queue.batch_counts(batch_id)
             return finished >= total
 
         await self._wait_until(done, timeout)
-        return await asyncio.to_thread(self.queue.batch_progress, batch_id)
+        return await asyncio.to_thread(self.queue.batch_counts, batch_id)
 
     async def counts(self) -> QueueCounts:
         """Items per state."""

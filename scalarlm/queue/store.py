@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from scalarlm.protocol.errors import InvalidRequest, NotFound
-from scalarlm.protocol.generate import Completion, GenerateResult, QueueCounts, WorkItem, WorkResult
+from scalarlm.protocol.generate import GenerateResult, QueueCounts, WorkItem, WorkResult
 
 logger = logging.getLogger(__name__)
 
@@ -270,6 +270,21 @@ class RequestQueue:
         finished = sum(1 for row in rows if row[2] in _FINISHED)
         return BatchProgress(batch_id, len(rows), finished, results)
 
+    def finished_page(self, batch_id: str, after: str | None, limit: int) -> list[dict[str, Any]]:
+        """Up to `limit` finished results of a batch, in prompt order, with request id above `after`,
+        as plain `GenerateResult` dicts: a 200k-item download streams page by page, never all in
+        memory. Request ids sort in prompt order, so this is a range scan of the primary key."""
+        low = after if after is not None else f"{batch_id}_"
+        # '+state' keeps SQLite on the primary key (a range scan) instead of the state index + a sort.
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT request_id, model, state, result, error FROM items "
+                "WHERE request_id > ? AND request_id < ? AND +state IN ('completed','failed') "
+                "ORDER BY request_id LIMIT ?",
+                (low, f"{batch_id}`", limit),  # '`' sorts right after '_'
+            ).fetchall()
+        return [result_fields(*row) for row in rows]
+
     def counts(self) -> QueueCounts:
         """Items per state."""
         with self._lock:
@@ -374,25 +389,28 @@ def _finished_row(result: WorkResult) -> tuple[str, str, int]:
     return state, json.dumps(body, separators=(",", ":")), tokens
 
 
-def _result(request_id: str, model: str, state: str, result: str | None, error: str | None) -> GenerateResult:
-    """Build the wire result for one row."""
-    if result is None:
-        return GenerateResult(request_id=request_id, status=state, model=model, error=error)
-    body = json.loads(result)
-    outputs = [Completion.model_validate(o) for o in body.get("outputs", [])]
-    first = outputs[0] if outputs else None
+def result_fields(request_id: str, model: str, state: str, result: str | None, error: str | None) -> dict[str, Any]:
+    """One row as the plain dict of a `GenerateResult` (same keys, same order), without pydantic."""
+    body = json.loads(result) if result is not None else {}
+    outputs = body.get("outputs")
+    first = outputs[0] if outputs else {}
     if state == "failed" and error is None:
         error = "the worker returned no output"
-    return GenerateResult(
-        request_id=request_id,
-        response=first.text if first is not None and state == "completed" else None,
-        error=error,
-        status=state,
-        model=body.get("model") or model,
-        version=body.get("version"),
-        finish_reason=first.finish_reason if first is not None else None,
-        prompt_tokens=body.get("prompt_tokens"),
-        completion_tokens=sum(len(o.token_ids) for o in outputs),
-        logprobs=first.logprobs if first is not None else None,
-        outputs=outputs,
-    )
+    return {
+        "request_id": request_id,
+        "response": first.get("text") if state == "completed" else None,
+        "error": error,
+        "status": state,
+        "model": body.get("model") or model,
+        "version": body.get("version"),
+        "finish_reason": first.get("finish_reason"),
+        "prompt_tokens": body.get("prompt_tokens"),
+        "completion_tokens": sum(len(o.get("token_ids", ())) for o in outputs) if outputs is not None else None,
+        "logprobs": first.get("logprobs"),
+        "outputs": outputs,
+    }
+
+
+def _result(request_id: str, model: str, state: str, result: str | None, error: str | None) -> GenerateResult:
+    """Build the wire result for one row."""
+    return GenerateResult.model_validate(result_fields(request_id, model, state, result, error))

@@ -8,7 +8,7 @@ import logging
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from starlette.datastructures import UploadFile
 
 from scalarlm.protocol.errors import InvalidRequest
@@ -29,6 +29,7 @@ from scalarlm.protocol.generate import (
 )
 from scalarlm.server.batch_items import BatchBuilder
 from scalarlm.server.deps import PromptsDep, QueueDep, SettingsDep, StateDep
+from scalarlm.server.download_body import file_chunks, spool_download
 from scalarlm.server.telemetry import THROUGHPUT_WINDOW_SECONDS
 
 logger = logging.getLogger(__name__)
@@ -92,13 +93,13 @@ async def upload(request: Request, queue: QueueDep, builder: BuilderDep, state: 
 
 
 @router.post("/download", response_model=DownloadResponse)
-async def download(body: DownloadRequest, queue: QueueDep, settings: SettingsDep) -> DownloadResponse:
+async def download(body: DownloadRequest, queue: QueueDep, settings: SettingsDep) -> StreamingResponse:
     """The finished results of an uploaded batch so far; long-polls up to `wait_seconds` for the rest."""
     wait = settings.generate.response_timeout if body.wait_seconds is None else body.wait_seconds
-    progress = await queue.wait_batch(body.request_id, wait)
-    finished = {rid: r for rid, r in progress.results.items() if r.status in ("completed", "failed")}
-    return DownloadResponse(
-        request_id=body.request_id, current_index=progress.finished, total_requests=progress.total, results=finished
+    total, finished = await queue.wait_batch(body.request_id, wait)
+    file, size = await asyncio.to_thread(spool_download, queue.queue, body.request_id, total, finished)
+    return StreamingResponse(
+        file_chunks(file), media_type="application/json", headers={"content-length": str(size)}
     )
 
 

@@ -188,3 +188,17 @@ def test_concurrent_leases_from_threads_never_share_an_item(tmp_path: Path) -> N
     for t in threads:
         t.join()
     assert len(leased) == 600 and len(set(leased)) == 600
+
+
+def test_finished_pages_walk_a_batch_in_prompt_order(queue: RequestQueue) -> None:
+    other = queue.enqueue(prompts(3), "m")
+    batch = queue.enqueue(prompts(7), "m")
+    items = queue.lease(20, "w")
+    queue.complete([result(i.request_id, i.prompt) for i in items if i.request_id != batch.request_ids[2]])
+    seen, after = [], None
+    while page := queue.finished_page(batch.batch_id, after, 2):
+        seen.extend(page)
+        after = page[-1]["request_id"]
+    assert [r["request_id"] for r in seen] == [r for r in batch.request_ids if r != batch.request_ids[2]]
+    assert seen[0]["response"] == "p0" and seen[0]["status"] == "completed" and seen[0]["completion_tokens"] == 3
+    assert other.batch_id not in "".join(r["request_id"] for r in seen)
