@@ -70,7 +70,8 @@ def test_runtime_runs_as_non_root_with_healthcheck(dockerfile):
     users = [a for k, a in steps if k == "USER"]
     assert users and users[-1].split(":")[0] not in {"0", "root"}, users
     (health,) = [a for k, a in steps if k == "HEALTHCHECK"]
-    assert "/v1/health" in health
+    env = " ".join(a for k, a in steps if k == "ENV")
+    assert "${SCALARLM_HEALTH_PATH}" in health and "SCALARLM_HEALTH_PATH=/v1/health" in env
     exposed = " ".join(a for k, a in steps if k == "EXPOSE").split()
     assert {"8000", "8001"} <= set(exposed)
 

@@ -45,11 +45,12 @@ def test_probes_and_pvc_read_without_helm():
     text = {t.name: t.read_text() for t in TEMPLATES}
     (pvc,) = parse_template(text["pvc.yaml"])
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
-    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
-    assert "path: /v1/health" in helpers
-    for name in ("api-deployment.yaml", "worker-deployment.yaml"):
-        probes = re.findall(r"(readinessProbe|livenessProbe|startupProbe):\n\s*\{\{- include \"scalarlm.healthProbe\"", text[name])
-        assert sorted(probes) == ["livenessProbe", "readinessProbe", "startupProbe"], name
+    for name, path in (("api-deployment.yaml", '"/v1/health"'), ("worker-deployment.yaml", ".Values.worker.healthPath")):
+        probes = re.findall(
+            r"(readinessProbe|livenessProbe|startupProbe):\n\s*\{\{- include \"scalarlm.healthProbe\" \(dict \"path\" (\S+)",
+            text[name],
+        )
+        assert sorted(probes) == [(p, path) for p in ("livenessProbe", "readinessProbe", "startupProbe")], name
 
 
 def test_helpers_and_notes_exist():
@@ -101,11 +102,29 @@ def test_render_holds_every_required_object(rendered):
 
 
 def test_http_probes_point_at_health(rendered):
-    _, docs = rendered
-    for role in ("api", "worker"):
+    values_file, docs = rendered
+    paths = {"api": "/v1/health", "worker": load_values(values_file)["worker"]["healthPath"]}
+    for role, path in paths.items():
         (container,) = _containers(_objects(docs, "Deployment")[role])
         for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-            assert container[probe]["httpGet"]["path"] == "/v1/health", (role, probe)
+            assert container[probe]["httpGet"]["path"] == path, (role, probe)
+
+
+@pytest.mark.slow
+def test_probe_paths_are_routes_of_the_real_apps(tmp_path):
+    """The chart's probe paths exist in the control plane's and the worker's apps (the worker's imports vLLM)."""
+    from scalarlm.config import Settings
+    from scalarlm.inference.worker_app import create_worker_app
+    from scalarlm.server.app import create_app
+
+    settings = Settings(home=tmp_path)
+
+    def get_routes(app) -> set[str]:
+        return {r.path for r in app.routes if "GET" in getattr(r, "methods", ())}
+
+    values = load_values(CHART / "values.yaml")
+    assert "/v1/health" in get_routes(create_app(settings))
+    assert values["worker"]["healthPath"] in get_routes(create_worker_app(settings))
 
 
 def test_one_shared_rwx_volume_is_mounted_at_home_by_every_pod(rendered):

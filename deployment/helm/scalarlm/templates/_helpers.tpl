@@ -117,10 +117,10 @@ app.kubernetes.io/component: {{ index . 1 }}
   readOnly: true
 {{- end -}}
 
-{{/* An HTTP probe on /v1/health: include "scalarlm.healthProbe" (dict "port" "http" "period" 10 "failures" 3) */}}
+{{/* An HTTP health probe: include "scalarlm.healthProbe" (dict "path" "/v1/health" "port" "http" "period" 10 "failures" 3) */}}
 {{- define "scalarlm.healthProbe" -}}
 httpGet:
-  path: /v1/health
+  path: {{ .path }}
   port: {{ .port }}
 periodSeconds: {{ .period }}
 timeoutSeconds: 5
