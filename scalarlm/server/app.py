@@ -13,12 +13,13 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from scalarlm.config import Settings
 from scalarlm.protocol.backend import EmbeddedWorker
 from scalarlm.queue import QueueService, RequestQueue
 from scalarlm.server.admission import Admission
+from scalarlm.server.auth import require_api_key
 from scalarlm.server.body_limit import BodyLimitMiddleware
 from scalarlm.server.deps import ServerState
 from scalarlm.server.errors import install_error_handlers
@@ -52,8 +53,9 @@ def create_app(settings: Settings, worker: EmbeddedWorker | None = None) -> Fast
     app.state.server = state
     app.state.training = TrainingJobs(settings)
     install_error_handlers(app)
-    routers = (generate.router, openai.router, health.router, metrics.router, training.router, training.alias_router)
-    for router in routers:
+    for router in (generate.router, openai.router, training.router, training.alias_router):
+        app.include_router(router, dependencies=[Depends(require_api_key)])
+    for router in (health.router, metrics.router):  # open to probes and scrapers
         app.include_router(router)
     # Outermost first: count every answer, including 413s from the body limit.
     app.add_middleware(
