@@ -1,4 +1,4 @@
-"""scalarlm in one minute: start a server, send a batch through the client, one OpenAI chat, stop.
+"""scalarlm in a few minutes: start a server, send a batch through the client, one OpenAI chat, fine-tune, stop.
 
     .venv/bin/python examples/demo.py --model models/tiny      (what `make demo` runs)
 
@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 
 import scalarlm
+from train_demo import train_demo  # examples/train_demo.py (this script's directory is on sys.path)
 
 HEALTH_TIMEOUT = 600.0
 
@@ -117,6 +118,7 @@ def main() -> int:
             print("health:", scalarlm.ScalarLM(api_url=url).health())
             batch_demo(url, args.prompts, args.max_tokens)
             openai_demo(url)
+            train_demo(url, args.model, Path("build/demo"))
         finally:
             code = stop_server(server)
             # uvicorn re-raises SIGTERM after its graceful shutdown, so -15 is a clean stop.

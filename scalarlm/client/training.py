@@ -142,13 +142,10 @@ def wait_flow(job_id: str, timeout: float | None, poll_seconds: float, progress:
     """Poll until the job ends; a tqdm bar follows the steps. Raise TrainingFailed on FAILED."""
     deadline = None if timeout is None else time.monotonic() + timeout
     show = sys.stderr.isatty() if progress is None else progress
-    bar = tqdm(total=None, disable=not show, desc=job_id, unit="step")
+    status = yield from status_flow(job_id)
+    bar = tqdm(total=status.max_steps or None, disable=not show, desc=job_id, unit="step")
     try:
         while True:
-            status = yield from status_flow(job_id)
-            if status.max_steps and bar.total != status.max_steps:
-                bar.total = status.max_steps
-                bar.refresh()
             if status.step > bar.n:
                 bar.update(status.step - bar.n)
             if status.loss is not None:
@@ -158,6 +155,7 @@ def wait_flow(job_id: str, timeout: float | None, poll_seconds: float, progress:
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"training job {job_id} is still {status.status} after {timeout} s")
             yield Sleep(poll_seconds)
+            status = yield from status_flow(job_id)
     finally:
         bar.close()
     if status.status == "FAILED":
