@@ -84,7 +84,7 @@ alive() {  # alive PIDFILE NAME: fail fast when a daemon died after forking (the
 
 start() {
   stop
-  rm -rf "$base/state" "$base/spool" "$base/run" "$base/log" "$base/etc"
+  rm -rf "$base/state" "$base/spool" "$base/run" "$base/log" "$base/etc" "$base/pmix"
   mkdir -p "$base/state" "$base/spool" "$base/run" "$base/log" "$base/etc" "$base/munge"
   chmod 700 "$base/munge"
   [ -s "$base/munge/munge.key" ] || mungekey --create --keyfile="$base/munge/munge.key" 2>/dev/null \
@@ -104,6 +104,7 @@ start() {
     SLURM_CONTROLLER_ADDR=127.0.0.1 SLURM_CTLD_PORT=$port_base SLURM_SLURMD_PORT=$((port_base + 1)) \
     MUNGE_SOCKET="$base/munge/munge.socket.2" SLURM_USER="$(id -un)" SLURM_SLURMD_USER="$(id -un)" SLURM_STATE_DIR="$base/state" \
     SLURM_SPOOL_DIR="$base/spool" SLURM_RUN_DIR="$base/run" SLURM_LOG_DIR="$base/log" \
+    SLURM_PMIX_TMPDIR="$base/pmix" \
     SLURM_KILL_WAIT=5 SLURM_PARTITION=debug SLURM_DISCOVERY=static SLURM_NODES=localhost:127.0.0.1 \
     SLURM_NODE_CPUS="$cpus" SLURM_NODE_MEMORY_MB=$((mem * 9 / 10)) SLURM_GPU_KIND=none \
     "$here/render-conf.sh" >/dev/null

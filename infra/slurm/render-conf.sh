@@ -89,5 +89,12 @@ mkdir -p "$SLURM_CONF_DIR"
 envsubst "$vars" <"$here/slurm.conf.tmpl" >"$SLURM_CONF_DIR/slurm.conf.new"
 envsubst "$vars" <"$here/gres.conf.tmpl" >"$SLURM_CONF_DIR/gres.conf.new"
 cp "$here/cgroup.conf" "$SLURM_CONF_DIR/cgroup.conf.new"
+# mpi.conf: where srun --mpi=pmix puts each step's client directory (default: /tmp, named by uid and
+# job id, so two clusters on one host, or a stale directory from a killed step, would collide).
+if [ -n "${SLURM_PMIX_TMPDIR:-}" ]; then
+  mkdir -p "$SLURM_PMIX_TMPDIR"
+  printf 'PMIxCliTmpDirBase=%s\n' "$SLURM_PMIX_TMPDIR" >"$SLURM_CONF_DIR/mpi.conf.new"
+  mv -f "$SLURM_CONF_DIR/mpi.conf.new" "$SLURM_CONF_DIR/mpi.conf"
+fi
 for f in slurm.conf gres.conf cgroup.conf; do mv -f "$SLURM_CONF_DIR/$f.new" "$SLURM_CONF_DIR/$f"; done
 echo "render-conf: wrote $SLURM_CONF_DIR/slurm.conf ($(grep -c '^NodeName=' "$SLURM_CONF_DIR/slurm.conf") nodes)"

@@ -94,3 +94,9 @@ def test_gres_lists_the_gpu_devices_a_pod_sees(tmp_path):
     out = _render(tmp_path, SLURM_NODES="n1", SLURM_NODE_GPUS="2", SLURM_GPU_KIND="amd",
                   SLURM_DEV_DIR=str(tmp_path / "dev"))
     assert f"Name=gpu File={devices}/renderD130\nName=gpu File={devices}/renderD131" in out["gres.conf"]
+
+
+def test_pmix_client_dirs_stay_under_the_cluster_directory(tmp_path):
+    """srun --mpi=pmix names its per-step dirs by uid and job id: under /tmp, clusters on one host collide."""
+    _render(tmp_path, SLURM_NODES="n1", SLURM_PMIX_TMPDIR=str(tmp_path / "pmix"))
+    assert (tmp_path / "mpi.conf").read_text() == f"PMIxCliTmpDirBase={tmp_path / 'pmix'}\n"
