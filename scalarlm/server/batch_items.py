@@ -27,10 +27,12 @@ CHUNK = 2048
 class BatchBuilder:
     """Builds queue payloads (`prompt`|`messages`, `sampling`, optional `model`) from wire requests."""
 
-    def __init__(self, catalog: ModelCatalog, prompts: PromptChecker, default_max_tokens: int) -> None:
+    def __init__(self, catalog: ModelCatalog, prompts: PromptChecker, default_max_tokens: int,
+                 max_prompts: int = 1_000_000) -> None:
         self.catalog = catalog
         self.prompts = prompts
         self.default_max_tokens = default_max_tokens
+        self.max_prompts = max_prompts
 
     def sampling(self, params: SamplingParams, param_prefix: str = "") -> dict[str, Any]:
         """The sampling dict a worker receives, with the default max_tokens filled in and checked."""
@@ -53,6 +55,8 @@ class BatchBuilder:
         settled: dict[Hashable, tuple[str, dict[str, Any]]] = {}
         try:
             while chunk := list(islice(items, CHUNK)):
+                if chunk[-1][0] >= self.max_prompts:
+                    raise InvalidRequest(f"the upload holds more than {self.max_prompts} prompts", param="file")
                 yield from self._upload_chunk(chunk, settled)
         except ijson.JSONError as exc:
             raise InvalidRequest(f"the uploaded file is not valid JSON: {exc}", param="file") from None

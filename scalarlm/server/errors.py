@@ -67,6 +67,10 @@ async def _on_scalarlm_error(request: Request, exc: ScalarLMError) -> JSONRespon
 
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     message, param = describe_validation(list(exc.errors()))
+    content_type = request.headers.get("content-type", "")
+    if param == "body" and "json" not in content_type:
+        # FastAPI parses JSON only when declared (a CSRF guard); say so instead of "not an object".
+        message = f"the body must be a JSON object sent with Content-Type: application/json (got {content_type!r})"
     body = ErrorResponse(error=ErrorDetail(message=message, type="invalid_request_error", param=param, code=400))
     return JSONResponse(body.model_dump(), status_code=400)
 

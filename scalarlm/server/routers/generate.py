@@ -38,7 +38,8 @@ router = APIRouter(prefix="/v1/generate", tags=["generate"])
 
 
 def get_builder(state: StateDep, prompts: PromptsDep) -> BatchBuilder:
-    return BatchBuilder(state.catalog, prompts, state.settings.generate.default_max_tokens)
+    generate = state.settings.generate
+    return BatchBuilder(state.catalog, prompts, generate.default_max_tokens, generate.max_batch_prompts)
 
 
 BuilderDep = Annotated[BatchBuilder, Depends(get_builder)]

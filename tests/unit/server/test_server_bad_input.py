@@ -121,3 +121,19 @@ async def test_queue_keeps_serving_earlier_items_after_bad_input(client: httpx.A
 async def test_unknown_route_uses_the_error_shape(client: httpx.AsyncClient) -> None:
     reply = await client.get("/v1/nothing-here")
     assert reply.status_code == 404 and reply.json()["error"]["code"] == 404
+
+
+async def test_batch_size_limit_applies_to_json_and_upload(running_app) -> None:
+    async with running_app(generate={"max_batch_prompts": 3}) as client:
+        reply = await client.post("/v1/generate", json={"prompts": ["a"] * 4})
+        assert reply.status_code == 400 and "prompts" in reply.json()["error"]["message"]
+        rows = json.dumps([{"prompt": "a"}] * 4).encode()
+        reply = await client.post("/v1/generate/upload", files={"file": ("r.json", rows)})
+        assert reply.status_code == 400 and "more than 3" in reply.json()["error"]["message"]
+        assert (await client.get("/v1/generate/metrics")).json()["queue_depth"] == 0
+
+
+async def test_form_encoded_body_is_told_to_send_json(client: httpx.AsyncClient) -> None:
+    reply = await client.post("/v1/generate", content=b'{"prompts": ["a"]}',
+                              headers={"content-type": "application/x-www-form-urlencoded"})
+    assert reply.status_code == 400 and "application/json" in reply.json()["error"]["message"]
