@@ -5,9 +5,9 @@
 set -euo pipefail
 . "$(dirname "$0")/common.sh"
 
+# The paths match the slurmd pods' (/run/munge, /etc/slurm; the image lets uid 1000 write them): sbatch
+# exports this environment, SLURM_CONF included, to the job, whose srun then runs on a slurmd pod.
 if [ "${SCALARLM_TRAINING__LAUNCHER:-local}" = slurm ] || [ -n "${SLURM_CONTROLLER_HOST:-}" ]; then
-  export MUNGE_DIR=${MUNGE_DIR:-$HOME/.munge} SLURM_CONF_DIR=${SLURM_CONF_DIR:-$HOME/.slurm}
-  export MUNGE_SOCKET=$MUNGE_DIR/munge.socket.2
   start_munged
   render_slurm_conf
 fi

@@ -118,6 +118,18 @@ def _free_port_pair() -> int:
 
 
 @pytest.fixture(scope="session")
+def slurm_installed() -> None:
+    """SLURM and munge are installed (installed now if missing and root; else the test skips)."""
+    _install_or_skip()
+
+
+@pytest.fixture(scope="session")
+def free_port_pair() -> int:
+    """A port p with p and p+1 free on loopback."""
+    return _free_port_pair()
+
+
+@pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     """Start a one-node SLURM cluster for the session; SLURM_CONF points at it while it runs."""
     _install_or_skip()
