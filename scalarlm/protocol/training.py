@@ -227,3 +227,65 @@ class GpuCountResponse(BaseModel):
 
 class NodeCountResponse(BaseModel):
     node_count: int
+
+
+# ---- RL sessions and published versions (issue 4) ------------------------------------------------
+
+
+class RLRow(BaseModel):
+    """One scored completion for GRPO: the rows of one `group` (default: the prompt) are normalised together.
+
+    `logprobs` are the sampling logprobs of the completion tokens as returned by generate (request `logprobs`);
+    without them the trainer uses its own current logprobs (ratio 1, on-policy).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    completion: str
+    reward: float
+    group: str | None = None
+    logprobs: list[float] | None = None
+
+
+class SessionCreateRequest(BaseModel):
+    """POST /v1/train/sessions: start a long-lived trainer that takes one optimizer step per submitted batch."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_name: str | None = None
+    train_args: dict[str, Any] = Field(default_factory=dict)
+
+
+class SessionStepRequest(BaseModel):
+    """POST /v1/train/sessions/{id}/step: rows for one optimizer step (SFT rows or scored RL rows)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rows: list[dict[str, Any]] = Field(..., min_length=1)
+    wait_seconds: float = Field(600.0, ge=0)
+
+
+class SessionStepResult(BaseModel):
+    """`jobs/<id>/session/result-<k>.json`, written by the trainer after step k is published."""
+
+    step: int
+    version: int
+    loss: float | None = None
+    metrics: dict[str, Any] = Field(default_factory=dict)
+    error: str | None = None
+
+
+class SessionResponse(BaseModel):
+    session_id: str
+    model_name: str
+    status: str
+    version: int = 0
+
+
+class PublishedNotice(BaseModel):
+    """Trainer -> control plane: a step was published (the file poll of `checkpoints/latest` is the fallback)."""
+
+    job_id: str
+    step: int
