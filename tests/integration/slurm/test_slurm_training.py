@@ -8,6 +8,7 @@ sbatch/squeue/scancel from PATH (SLURM_CONF points at the test cluster); slurmd 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,8 @@ ROWS = [{"input": f"What is {i} + {i}?", "output": str(2 * i)} for i in range(16
 # Small enough for 2 CPU cores: a few steps of the tiny model, a checkpoint published at every step.
 TRAIN_ARGS = {"launcher": "slurm", "gpus": 0, "cpu_ranks": 1, "max_steps": 2, "steps_per_checkpoint": 1,
               "learning_rate": 1e-3, "max_seq_len": 64, "timeout": 600, "dtype": "float32"}  # fmt: skip
+# Two ranks (srun tasks, gloo) where the node has the CPUs: a job asking for more would pend for ever.
+RANKS = min(2, os.cpu_count() or 1)
 
 
 @pytest.fixture
@@ -58,7 +61,7 @@ def wait_for(client: TestClient, job_id: str, states: set[str], timeout: float) 
 
 
 def test_training_job_on_slurm_completes_and_publishes(slurm_cluster, slurm_client):
-    job_id = submit(slurm_client, TRAIN_ARGS)
+    job_id = submit(slurm_client, {**TRAIN_ARGS, "cpu_ranks": RANKS})
     job_root = Path(slurm_client.get(f"/v1/megatron/train/{job_id}").json()["job_status"]["job_directory"])
     record = read_record(JobDir(job_root))
     assert record is not None and record.launcher == "slurm"
@@ -67,7 +70,8 @@ def test_training_job_on_slurm_completes_and_publishes(slurm_cluster, slurm_clie
     assert body["job_status"]["status"] == "COMPLETED", body
 
     # SLURM ran it: the sbatch script is in the job directory and SLURM's record says COMPLETED.
-    assert (job_root / "sbatch.sh").is_file()
+    assert f"#SBATCH --ntasks={RANKS}" in (job_root / "sbatch.sh").read_text()
+    assert (job_root / "logs" / f"rank-{RANKS - 1}.log").is_file()
     assert slurm_cluster.wait_state(record.launcher_id, {"COMPLETED"}, timeout=60) == "COMPLETED"
     # A published checkpoint: checkpoints/latest names a complete step directory with its manifest.
     latest = (job_root / "checkpoints" / "latest").read_text().strip()
