@@ -2,9 +2,12 @@
 
 Rank 0 writes status.json (RUNNING -> COMPLETED | FAILED | CANCELLED with a reason) and metrics.jsonl; any rank
 that fails writes FAILED with its exception. The dataset is validated before any process group or model exists.
-On SIGTERM the ranks agree at the next step boundary, save resume state and exit 0: CANCELLED if
-`cancel.requested` exists, else FAILED with a "resubmit to resume" reason. A job started on a directory whose
-`state/` holds a saved state resumes from it.
+On SIGTERM, or when `cancel.requested` appears in the job directory (polled by rank 0 every step), the ranks
+agree at the next step boundary, save resume state and exit 0: CANCELLED if `cancel.requested` exists, else FAILED
+with a "resubmit to resume" reason. A job started on a directory whose `state/` holds a saved state resumes from it.
+
+Under mpirun prefer the cancel file (or SIGTERM to the ranks themselves): Open MPI's mpirun forwards SIGTERM but
+SIGKILLs the ranks `odls_base_sigkill_timeout` (default 1 s) later, which may cut a save short.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pydantic import ValidationError
 from scalarlm.checkpoint import JobDir
 from scalarlm.checkpoint.jobdir import atomic_write_text
 from scalarlm.protocol.errors import ScalarLMError
-from scalarlm.training.parallel import LaunchEnv, launch_env_from
+from scalarlm.training.launch_env import LaunchEnv, launch_env_from
 from scalarlm.training.rows import read_rows
 
 logger = logging.getLogger(__name__)
@@ -122,7 +125,8 @@ def run_job(job_dir: Path, environ: Mapping[str, str]) -> int:
                 logger.info("step %d loss %.5f lr %.3g tok/s %.0f", metrics["step"], metrics["loss"], metrics["lr"],
                             metrics["tokens_per_second"])
 
-        outcome = run(trainer, stop.requested, on_step)
+        cancel_file = job.root / CANCEL_FILE
+        outcome = run(trainer, lambda: stop.requested() or (main and cancel_file.exists()), on_step)
     except Exception as e:  # the entry point turns any failure into FAILED with its reason
         logger.exception("training failed")
         step = trainer.step if trainer is not None else None

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -19,20 +18,9 @@ import torch.distributed as dist
 
 from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.training.cpu_compat import activate_if_no_accelerator
+from scalarlm.training.launch_env import LaunchEnv
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LaunchEnv:
-    """Where this process sits in the job, as the launcher told it."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    master_addr: str | None = None
-    master_port: int | None = None
-    under_mpi: bool = False
 
 
 @dataclass(frozen=True)
@@ -56,30 +44,6 @@ class Parallel:
     @property
     def on_gpu(self) -> bool:
         return self.device.type == "cuda"
-
-
-def launch_env_from(environ: Mapping[str, str]) -> LaunchEnv:
-    """Read the launcher's variables (Open MPI first, then torchrun's); one plain process otherwise."""
-    addr = environ.get("MASTER_ADDR") or None
-    port = int(environ["MASTER_PORT"]) if environ.get("MASTER_PORT") else None
-    if "OMPI_COMM_WORLD_RANK" in environ:
-        return LaunchEnv(
-            rank=int(environ["OMPI_COMM_WORLD_RANK"]),
-            world_size=int(environ["OMPI_COMM_WORLD_SIZE"]),
-            local_rank=int(environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")),
-            master_addr=addr,
-            master_port=port,
-            under_mpi=True,
-        )
-    if "RANK" in environ and "WORLD_SIZE" in environ:
-        return LaunchEnv(
-            rank=int(environ["RANK"]),
-            world_size=int(environ["WORLD_SIZE"]),
-            local_rank=int(environ.get("LOCAL_RANK", "0")),
-            master_addr=addr,
-            master_port=port,
-        )
-    return LaunchEnv(master_addr=addr, master_port=port)
 
 
 def _free_port() -> int:

@@ -1,0 +1,187 @@
+"""Real SFT jobs through `python -m scalarlm.training <job_dir>` (one process and real `mpirun -n 2`).
+
+One reference job (one rank) is shared by the module: it memorises 8 question -> answer pairs, publishes HF
+checkpoints, and is the loss curve the DP=2, SIGKILL-resume and SIGTERM-resume jobs must reproduce.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from trainer_jobs import (
+    QA,
+    child_pids,
+    losses,
+    make_job,
+    qa_rows,
+    require_mpirun,
+    run_trainer,
+    start_trainer,
+    trainer_output,
+    wait_for,
+)
+
+from scalarlm.checkpoint import JobDir, latest_step, read_manifest
+
+LONG_ROW = {"input": "Count: " + " ".join(str(n) for n in range(40)), "output": " and so on"}
+TRAIN_ARGS = dict(
+    max_steps=60,
+    learning_rate=3e-3,
+    warmup_steps=2,
+    batch_size=4,
+    steps_per_checkpoint=10,
+    adapter_type="full",
+    max_seq_len=32,
+    seed=0,
+)
+DP_TOLERANCE = 1e-4  # DP=2 vs one rank on the same global batch (fp32; different reduction order)
+RESUME_TOLERANCE = 1e-5  # resumed vs uninterrupted, same layout
+
+
+def rows() -> list[dict]:
+    return qa_rows() + [LONG_ROW]
+
+
+@pytest.fixture(scope="module")
+def jobs_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("jobs")
+
+
+@pytest.fixture(scope="module")
+def reference(jobs_root: Path, tiny_model_dir: Path) -> JobDir:
+    """The uninterrupted one-rank job."""
+    job = make_job(jobs_root, "reference", tiny_model_dir, rows(), **TRAIN_ARGS)
+    assert run_trainer(job) == 0, trainer_output(job)
+    return job
+
+
+@pytest.fixture(scope="module")
+def dp2(jobs_root: Path, tiny_model_dir: Path) -> JobDir:
+    """The same global batch (4 blocks) as two ranks of 2 blocks under mpirun."""
+    require_mpirun()
+    job = make_job(jobs_root, "dp2", tiny_model_dir, rows(), **{**TRAIN_ARGS, "batch_size": 2, "cpu_ranks": 2})
+    assert run_trainer(job, ranks=2) == 0, trainer_output(job)
+    return job
+
+
+def _greedy_answer(model, tokenizer, question: str) -> str:
+    ids = tokenizer(question + " ", return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=8, do_sample=False)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def test_sft_memorises_and_publishes_hf_checkpoint(reference: JobDir) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    status = reference.read_status()
+    assert status.status == "COMPLETED" and status.step == TRAIN_ARGS["max_steps"], status
+    assert status.details["data"]["truncated_rows"] == 1  # LONG_ROW is cut to max_seq_len, not a crash
+
+    metrics = reference.read_metrics()
+    assert len(metrics) == TRAIN_ARGS["max_steps"]
+    for key in ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_second", "time", "truncated_rows"):
+        assert key in metrics[-1]
+    assert metrics[0]["loss"] > 3.0 and metrics[-1]["loss"] < 0.1, [m["loss"] for m in metrics]
+
+    assert latest_step(reference) == TRAIN_ARGS["max_steps"]
+    for step in (10, 20, 60):
+        assert read_manifest(reference, step).kind == "full"
+    path = reference.step_dir(TRAIN_ARGS["max_steps"])
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    answers = {q: _greedy_answer(model, tokenizer, q) for q, _ in QA}
+    reproduced = [q for q, a in QA if answers[q].strip() == a]
+    assert len(reproduced) >= 6, answers
+
+
+@pytest.mark.slow
+def test_dp2_under_mpirun_matches_one_rank(reference: JobDir, dp2: JobDir) -> None:
+    assert dp2.read_status().status == "COMPLETED"
+    ours, ref = losses(dp2), losses(reference)
+    assert len(ours) == len(ref)
+    assert max(abs(a - b) for a, b in zip(ours, ref)) <= DP_TOLERANCE, (ours, ref)
+    assert (dp2.root / "logs" / "rank-1.log").exists()
+
+
+@pytest.mark.slow
+def test_sigkill_mid_job_then_resume_matches_uninterrupted(reference: JobDir, jobs_root: Path, tiny_model_dir: Path) -> None:
+    job = make_job(jobs_root, "killed", tiny_model_dir, rows(), **TRAIN_ARGS)
+    proc = start_trainer(job)
+    try:
+        wait_for(lambda: len(job.read_metrics()) >= 14 or proc.poll() is not None, 300, "14 steps")
+        assert proc.poll() is None, "the job finished before it could be killed"
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert job.read_status().status == "RUNNING"  # a SIGKILLed trainer cannot say anything (the launcher does)
+    saved = json.loads((job.state_dir / "latest.json").read_text())["step"]
+    assert 10 <= saved < TRAIN_ARGS["max_steps"]
+
+    assert run_trainer(job) == 0, trainer_output(job)
+    assert job.read_status().status == "COMPLETED"
+    ours, ref = losses(job), losses(reference)
+    assert len(ours) == len(ref)
+    assert max(abs(a - b) for a, b in zip(ours, ref)) <= RESUME_TOLERANCE
+
+
+@pytest.mark.slow
+def test_sigterm_under_mpirun_saves_state_and_resume_matches(dp2: JobDir, jobs_root: Path, tiny_model_dir: Path) -> None:
+    job = make_job(jobs_root, "terminated", tiny_model_dir, rows(), **{**TRAIN_ARGS, "batch_size": 2, "cpu_ranks": 2})
+    proc = start_trainer(job, ranks=2)
+    try:
+        wait_for(lambda: len(job.read_metrics()) >= 5 or proc.poll() is not None, 300, "5 steps")
+        assert proc.poll() is None, "the job finished before it could be terminated"
+        ranks = child_pids(proc)
+        assert len(ranks) == 2
+        for pid in ranks:  # as SLURM does; mpirun itself SIGKILLs ranks 1 s after forwarding a SIGTERM
+            os.kill(pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    status = job.read_status()
+    assert status.status == "FAILED", trainer_output(job)
+    assert "terminated by SIGTERM at step" in status.reason and "resubmit to resume" in status.reason
+    saved = json.loads((job.state_dir / "latest.json").read_text())["step"]
+    assert saved == status.step and 5 <= saved < TRAIN_ARGS["max_steps"]
+
+    assert run_trainer(job, ranks=2) == 0, trainer_output(job)
+    assert job.read_status().status == "COMPLETED"
+    ours, ref = losses(job), losses(dp2)
+    assert len(ours) == len(ref)
+    assert max(abs(a - b) for a, b in zip(ours, ref)) <= RESUME_TOLERANCE
+
+
+def test_cancel_request_stops_the_job_as_cancelled(jobs_root: Path, tiny_model_dir: Path) -> None:
+    job = make_job(jobs_root, "cancelled", tiny_model_dir, qa_rows(), **{**TRAIN_ARGS, "max_steps": 100_000})
+    proc = start_trainer(job)
+    try:
+        wait_for(lambda: len(job.read_metrics()) >= 1 or proc.poll() is not None, 300, "the first step")
+        (job.root / "cancel.requested").touch()
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    status = job.read_status()
+    assert status.status == "CANCELLED", trainer_output(job)
+    assert status.reason.startswith("cancelled at step")
+    assert (job.state_dir / "latest.json").exists()
+
+
+def test_bad_row_fails_before_training_naming_the_line(jobs_root: Path, tiny_model_dir: Path) -> None:
+    good = json.dumps({"input": "a", "output": "b"})
+    text = f"{good}\n{good}\n{json.dumps({'input': 'a', 'output': 7})}\n{good}\n"
+    job = make_job(jobs_root, "badrow", tiny_model_dir, text, **TRAIN_ARGS)
+    assert run_trainer(job) == 1
+    status = job.read_status()
+    assert status.status == "FAILED"
+    assert "line 3" in status.reason and "'output'" in status.reason, status.reason
+    assert job.read_metrics() == []
