@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field
 
 from scalarlm.checkpoint import JobDir
 from scalarlm.checkpoint.jobdir import atomic_write_text
+from scalarlm.config import Settings
 from scalarlm.protocol.training import TrainJobConfig
 
 RunState = Literal["running", "finished", "unknown"]
@@ -102,3 +103,21 @@ class Launcher(Protocol):
 def log_path(job: JobDir) -> Path:
     """Where the launcher sends the trainer's stdout and stderr."""
     return job.logs_dir / LAUNCHER_LOG
+
+
+NOTIFY_ENV = "SCALARLM_NOTIFY_URL"
+
+
+def notify_url(settings: Settings) -> str | None:
+    """Where a trainer announces published steps: the API URL in split mode, this server's own URL when embedded."""
+    server = settings.server
+    if server.role == "api":
+        return server.api_url.rstrip("/")
+    if server.port == 0:
+        return None  # an ephemeral port is not known here; the catalog's file poll picks steps up
+    host = server.host
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{server.port}"

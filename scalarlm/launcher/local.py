@@ -16,9 +16,11 @@ from collections.abc import Sequence
 from scalarlm.checkpoint import JobDir
 from scalarlm.config import Settings
 from scalarlm.launcher.base import (
+    NOTIFY_ENV,
     LaunchRecord,
     RunState,
     log_path,
+    notify_url,
     read_logs,
     read_record,
     request_cancel,
@@ -74,6 +76,8 @@ class LocalLauncher:
             cmd.append("--oversubscribe")  # CPU ranks may outnumber the cores Open MPI counts as slots
         for var in ("MASTER_ADDR", "MASTER_PORT", "PYTHONPATH"):
             cmd += ["-x", var]
+        if notify_url(self.settings) is not None:
+            cmd += ["-x", NOTIFY_ENV]
         return cmd + trainer
 
     def _environment(self) -> dict[str, str]:
@@ -82,6 +86,9 @@ class LocalLauncher:
         env["MASTER_ADDR"] = "127.0.0.1"
         env["MASTER_PORT"] = str(free_port())
         env["PYTHONUNBUFFERED"] = "1"
+        url = notify_url(self.settings)
+        if url is not None:
+            env[NOTIFY_ENV] = url  # the trainer announces each published step there (best effort)
         if os.geteuid() == 0:  # Open MPI refuses root without these
             env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
             env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"

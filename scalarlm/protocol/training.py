@@ -289,3 +289,14 @@ class PublishedNotice(BaseModel):
 
     job_id: str
     step: int
+
+
+class SessionStepResponse(BaseModel):
+    """POST /v1/train/sessions/{id}/step answer: the version now serving (the step just published)."""
+
+    session_id: str
+    model_name: str
+    step: int
+    version: int
+    loss: float | None = None
+    metrics: dict[str, Any] = Field(default_factory=dict)

@@ -27,7 +27,8 @@ from scalarlm.server.models import ModelCatalog
 from scalarlm.server.prompt_check import PromptChecker
 from scalarlm.server.remote_backend import RemoteBackend
 from scalarlm.server.jobs import TrainingJobs
-from scalarlm.server.routers import generate, health, metrics, openai, training
+from scalarlm.server.routers import catalog, generate, health, metrics, openai, sessions, training
+from scalarlm.server.sessions import RLSessions
 from scalarlm.server.telemetry import HttpMetricsMiddleware, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -46,14 +47,16 @@ def create_app(settings: Settings, worker: EmbeddedWorker | None = None) -> Fast
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with _running(state, worker), app.state.training.reconciling():
+        async with _running(state, worker), app.state.training.reconciling(), state.catalog.polling():
             yield
 
     app = FastAPI(title="scalarlm", version="0.1.0", lifespan=lifespan)
     app.state.server = state
     app.state.training = TrainingJobs(settings)
+    app.state.sessions = RLSessions(app.state.training, state.catalog)
     install_error_handlers(app)
-    for router in (generate.router, openai.router, training.router, training.alias_router):
+    routers = (generate.router, openai.router, training.router, training.alias_router, sessions.router, catalog.router)
+    for router in routers:
         app.include_router(router, dependencies=[Depends(require_api_key)])
     for router in (health.router, metrics.router):  # open to probes and scrapers
         app.include_router(router)

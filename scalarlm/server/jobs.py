@@ -149,22 +149,34 @@ class TrainingJobs:
             config = TrainJobConfig(
                 job_id=job.job_id, base_model=base_model, train_args=args, dataset_rows=rows, created=time.time()
             )
-            job.write_config(config)
-            with self._lock:
-                job.write_status(JobStatus(job_id=job.job_id, max_steps=args.max_steps, launcher=launcher.name))
-                try:
-                    launcher_id = launcher.submit(job, config)
-                except OSError as e:
-                    raise EngineUnavailable(f"could not start the trainer: {e}") from e
-                status = job.update_status(launcher_id=launcher_id)
+            status = self._launch(job, config, launcher)
         except ScalarLMError:
             shutil.rmtree(job.root, ignore_errors=True)
             raise
         logger.info("job %s: %d rows, base %s, launched by %s as %s", job.job_id, rows, base_model,
-                    launcher.name, launcher_id)  # fmt: skip
+                    launcher.name, status.launcher_id)  # fmt: skip
         return TrainResponse(
             job_status=self._status_body(job, status), job_config=self._config_body(job, config), deployed=False
         )
+
+    def launch(self, job: JobDir, config: TrainJobConfig) -> JobStatus:
+        """Write `config` into an already created job dir and start its trainer (RL sessions use this)."""
+        try:
+            return self._launch(job, config, self.launcher_for(config.train_args))
+        except ScalarLMError:
+            shutil.rmtree(job.root, ignore_errors=True)
+            raise
+
+    def _launch(self, job: JobDir, config: TrainJobConfig, launcher: Launcher) -> JobStatus:
+        job.write_config(config)
+        with self._lock:
+            args = config.train_args
+            job.write_status(JobStatus(job_id=job.job_id, max_steps=args.max_steps, launcher=launcher.name))
+            try:
+                launcher_id = launcher.submit(job, config)
+            except OSError as e:
+                raise EngineUnavailable(f"could not start the trainer: {e}") from e
+            return job.update_status(launcher_id=launcher_id)
 
     # --- reading ----------------------------------------------------------------------------------
 

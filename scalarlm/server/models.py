@@ -1,31 +1,190 @@
-"""Which model names this control plane serves, and what name the worker knows each by."""
+"""The model catalog: which model names this control plane serves, and the weights version of each.
+
+The base model is version 0. Every training job with a published step is a model named by its job id,
+at version = its newest published step; `latest` names the newest such job (by creation). The catalog
+learns of new steps from the trainer's notice (POST /v1/internal/published) or, as the fallback, from a
+cheap poll that stats each job's `checkpoints/latest`. Workers learn of versions from `versions()`,
+which feeds every get_work reply.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
+from scalarlm.checkpoint import JobDir, latest_step, read_manifest
 from scalarlm.config import Settings
 from scalarlm.protocol.errors import NotFound
 from scalarlm.protocol.generate import ModelVersion
+from scalarlm.protocol.training import NAME_PATTERN
+
+logger = logging.getLogger(__name__)
+
+LATEST = "latest"
+
+
+@dataclass(frozen=True)
+class TrainedModel:
+    """One trained model's newest published weights."""
+
+    name: str
+    version: int
+    kind: str
+    path: str
+    created: float
+    loss: float | None = None
 
 
 class ModelCatalog:
-    """The base model (by its served name or its path); trained models join in later issues."""
+    """The base model (by its served name or its path) and every job with a published step."""
 
     def __init__(self, settings: Settings) -> None:
         self.base = settings.base_model_name
+        self.base_path = settings.model
         aliases = {self.base, settings.model}
         model_path = Path(settings.model)
         if model_path.exists():
             aliases.add(str(model_path.resolve()))
         self._aliases = aliases
+        self.jobs_dir = settings.jobs_dir
+        self.poll_seconds = settings.training.poll_seconds
+        self._trained: dict[str, TrainedModel] = {}
+        # (st_mtime_ns, st_size) of each job's `checkpoints/latest` when last read: the poll re-reads only changes.
+        self._seen: dict[str, tuple[int, int]] = {}
+        self._lock = threading.Lock()  # the poll runs in a thread; routes read from the event loop
+
+    # ---- names ------------------------------------------------------------------------------------
 
     def resolve(self, name: str | None) -> str:
         """The canonical name for a requested model (None means the base model); NotFound otherwise."""
         if name is None or name in self._aliases:
             return self.base
+        if name == LATEST:
+            newest = self.newest()
+            if newest is None:
+                raise NotFound("no trained model has published weights yet, so `latest` names nothing", param="model")
+            return newest.name
+        with self._lock:
+            if name in self._trained:
+                return name
+        if NAME_PATTERN.match(name) and ".." not in name and self.refresh_job(name) is not None:
+            return name  # published before the notice or the poll reached us
         raise NotFound(f"The model `{name}` does not exist.", param="model")
+
+    def version_of(self, name: str) -> int:
+        """The current weights version of a canonical model name (0 for the base model)."""
+        with self._lock:
+            model = self._trained.get(name)
+        return model.version if model is not None else 0
+
+    def newest(self) -> TrainedModel | None:
+        """The newest (by job creation) trained model with published weights."""
+        with self._lock:
+            models = list(self._trained.values())
+        return max(models, key=lambda m: (m.created, m.name), default=None)
+
+    def trained(self) -> list[TrainedModel]:
+        """Every trained model, oldest job first."""
+        with self._lock:
+            return sorted(self._trained.values(), key=lambda m: (m.created, m.name))
 
     def versions(self) -> list[ModelVersion]:
         """Every servable model with its newest weights version (workers learn of swaps from this)."""
-        return [ModelVersion(name=self.base, version=0, kind="base")]
+        base = ModelVersion(name=self.base, version=0, kind="base", path=self.base_path)
+        return [base] + [
+            ModelVersion(name=m.name, version=m.version, kind=m.kind, path=m.path)  # type: ignore[arg-type]
+            for m in self.trained()
+        ]
+
+    # ---- learning of new steps --------------------------------------------------------------------
+
+    def published(self, job_id: str, step: int) -> int:
+        """A trainer says `step` of `job_id` is published: re-read the job; return its current version."""
+        if not NAME_PATTERN.match(job_id) or ".." in job_id:
+            raise NotFound(f"training job {job_id!r} does not exist", param="job_id")
+        model = self.refresh_job(job_id)
+        if model is None:
+            raise NotFound(f"training job {job_id!r} has no published step {step}", param="step")
+        return model.version
+
+    def refresh_job(self, job_id: str) -> TrainedModel | None:
+        """Re-read one job's newest published step (no-op when `checkpoints/latest` is unchanged)."""
+        job = JobDir(self.jobs_dir / job_id)
+        pointer = job.checkpoints_dir / "latest"
+        try:
+            st = pointer.stat()
+        except OSError:
+            return None
+        stamp = (st.st_mtime_ns, st.st_size)
+        with self._lock:
+            if self._seen.get(job_id) == stamp and job_id in self._trained:
+                return self._trained[job_id]
+        try:
+            model = self._read(job)
+        except (OSError, ValueError) as e:
+            logger.warning("catalog: cannot read %s: %s", job.root, e)
+            return None
+        with self._lock:
+            if model is None:
+                self._trained.pop(job_id, None)
+                self._seen.pop(job_id, None)
+                return None
+            old = self._trained.get(job_id)
+            if old is None or old.version != model.version:
+                logger.info("model %s: version %d (%s)", job_id, model.version, model.kind)
+            self._trained[job_id] = model
+            self._seen[job_id] = stamp
+        return model
+
+    def _read(self, job: JobDir) -> TrainedModel | None:
+        step = latest_step(job)
+        if step is None:
+            return None
+        manifest = read_manifest(job, step)
+        created = job.config_path.stat().st_mtime if job.config_path.exists() else manifest.created
+        try:
+            created = job.read_config().created or created
+        except (OSError, ValueError):
+            pass
+        return TrainedModel(
+            name=job.job_id, version=step, kind=manifest.kind, path=str(job.step_dir(step)),
+            created=created, loss=manifest.loss,
+        )  # fmt: skip
+
+    def refresh(self) -> None:
+        """Poll every job directory (stats `checkpoints/latest`; reads only the changed ones); drop deleted jobs."""
+        roots = [p.name for p in self.jobs_dir.iterdir() if p.is_dir()] if self.jobs_dir.exists() else []
+        for job_id in roots:
+            self.refresh_job(job_id)
+        present = set(roots)
+        with self._lock:
+            for gone in [name for name in self._trained if name not in present]:
+                del self._trained[gone]
+                self._seen.pop(gone, None)
+
+    @asynccontextmanager
+    async def polling(self) -> AsyncIterator[None]:
+        """Refresh now and then every `training.poll_seconds` (the fallback when a notice is lost)."""
+        await asyncio.to_thread(self.refresh)
+        task = asyncio.create_task(self._poll_forever())
+        try:
+            yield
+        finally:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_seconds)
+            try:
+                await asyncio.to_thread(self.refresh)
+            except OSError as e:  # a transient file error must not end the poll
+                logger.warning("catalog poll failed: %s", e)

@@ -6,6 +6,7 @@ names a known model, then forwards it and returns the worker's JSON or SSE bytes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from typing import Any
@@ -16,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from scalarlm.protocol.backend import OpenAIReply, OpenAIRoute
 from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.server.deps import BackendDep, StateDep
+from scalarlm.server.models import ModelCatalog
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +37,33 @@ async def read_json_object(request: Request) -> dict[str, Any]:
 
 
 @router.get("/models")
-async def list_models(backend: BackendDep) -> Response:
-    """The worker's model list (vLLM's wire format)."""
-    return _reply(await backend.openai("models", {}))
+async def list_models(state: StateDep, backend: BackendDep) -> Response:
+    """The worker's model list (vLLM's wire format) with every trained model and its `scalarlm_version`."""
+    reply = await backend.openai("models", {})
+    if reply.stream is None and reply.status_code == 200 and isinstance(reply.body, dict):
+        reply = dataclasses.replace(reply, body=with_trained_models(reply.body, state.catalog))
+    return _reply(reply)
+
+
+def with_trained_models(body: dict[str, Any], catalog: ModelCatalog) -> dict[str, Any]:
+    """Stamp the base entry with version 0 and add (or update) one entry per trained model."""
+    data = [dict(entry) for entry in body.get("data", []) if isinstance(entry, dict)]
+    by_id = {entry.get("id"): entry for entry in data}
+    base = by_id.get(catalog.base, {})
+    if base:
+        base.update(scalarlm_version=0, scalarlm_kind="base")
+    for model in catalog.trained():
+        entry = by_id.get(model.name)
+        if entry is None:
+            entry = {
+                "id": model.name, "object": "model", "created": int(model.created), "owned_by": "scalarlm",
+                "root": model.path, "parent": catalog.base, "max_model_len": base.get("max_model_len"),
+                "permission": [],
+            }  # fmt: skip
+            data.append(entry)
+            by_id[model.name] = entry
+        entry.update(scalarlm_version=model.version, scalarlm_kind=model.kind)
+    return {**body, "data": data}
 
 
 @router.post("/completions")

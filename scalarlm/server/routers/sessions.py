@@ -1,0 +1,47 @@
+"""RL session routes: create a long-lived trainer, submit one batch per step, read it, end it."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+
+from scalarlm.protocol.errors import EngineUnavailable
+from scalarlm.protocol.training import SessionCreateRequest, SessionResponse, SessionStepRequest, SessionStepResponse
+from scalarlm.server.sessions import RLSessions
+
+router = APIRouter(prefix="/v1/train/sessions", tags=["sessions"])
+
+
+def get_sessions(request: Request) -> RLSessions:
+    sessions = getattr(request.app.state, "sessions", None)
+    if sessions is None:
+        raise EngineUnavailable("training is not enabled on this server")
+    return sessions
+
+
+SessionsDep = Annotated[RLSessions, Depends(get_sessions)]
+
+
+@router.post("", response_model=SessionResponse)
+def create_session(body: SessionCreateRequest, sessions: SessionsDep) -> SessionResponse:
+    """Start an RL session: a trainer that keeps model and optimizer in memory (full weights by default)."""
+    return sessions.create(body)
+
+
+@router.post("/{session_id}/step", response_model=SessionStepResponse)
+async def step_session(session_id: str, body: SessionStepRequest, sessions: SessionsDep) -> SessionStepResponse:
+    """One optimizer step on these rows; answers once the new weights are published, with their version."""
+    return await sessions.step(session_id, body)
+
+
+@router.get("/{session_id}", response_model=SessionResponse)
+def get_session(session_id: str, sessions: SessionsDep) -> SessionResponse:
+    """The session's status and current weights version."""
+    return sessions.describe(session_id)
+
+
+@router.delete("/{session_id}", response_model=SessionResponse)
+async def end_session(session_id: str, sessions: SessionsDep) -> SessionResponse:
+    """End the session (its trainer exits after the current step); its published weights stay servable."""
+    return await sessions.end(session_id)
