@@ -27,7 +27,11 @@ class ServerSettings(BaseModel):
     worker_urls: list[str] = Field(default_factory=list)
     worker_port: int = Field(8001, ge=0, le=65535)
     api_keys: list[str] = Field(default_factory=list)
+    # One key a line: `<key> [scope1,scope2] [max_queued=N] [max_jobs=M]` (see server/auth.py).
+    api_keys_file: Path | None = None
     allow_insecure_public: bool = False
+    # SIGTERM: answer new requests 503 while in-flight ones finish, for at most this long, then exit.
+    shutdown_seconds: float = Field(30.0, gt=0)
     # Admission control for interactive OpenAI requests: in flight beyond factor x max_num_seqs -> 429.
     admit_factor: float = Field(4.0, gt=0)
 
@@ -117,6 +121,7 @@ _SHORTCUTS = {
     "SCALARLM_HOST": ("server", "host"),
     "SCALARLM_PORT": ("server", "port"),
     "SCALARLM_API_KEYS": ("server", "api_keys"),
+    "SCALARLM_API_KEYS_FILE": ("server", "api_keys_file"),
     "SCALARLM_MAX_MODEL_LEN": ("engine", "max_model_len"),
     "SCALARLM_DTYPE": ("engine", "dtype"),
     "SCALARLM_MAX_NUM_SEQS": ("engine", "max_num_seqs"),

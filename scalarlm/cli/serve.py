@@ -30,7 +30,7 @@ def is_loopback(host: str) -> bool:
 def check_exposure(settings: Settings) -> None:
     """Refuse a non-loopback listener without API keys unless explicitly allowed."""
     server = settings.server
-    if is_loopback(server.host) or server.api_keys or server.allow_insecure_public:
+    if is_loopback(server.host) or server.api_keys or server.api_keys_file or server.allow_insecure_public:
         return
     raise InsecureExposure(
         f"refusing to listen on {server.host} without API keys: anyone who can reach this port could use "
@@ -68,14 +68,18 @@ def serve(settings: Settings) -> int:
 
     import uvicorn
 
+    from scalarlm.server.shutdown import GracefulServer
+
     app = build_app(settings)
     logger.info("serving %s (%s) on http://%s:%d", settings.model, settings.server.role,
                 settings.server.host, settings.server.port)
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=settings.server.host,
         port=settings.server.port,
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
     )
+    # SIGTERM: 503 to new requests while in-flight ones finish (at most shutdown_seconds), then exit.
+    GracefulServer(config, app.state.drain, settings.server.shutdown_seconds).run()
     return 0

@@ -19,7 +19,7 @@ from scalarlm.config import Settings
 from scalarlm.protocol.backend import EmbeddedWorker
 from scalarlm.queue import QueueService, RequestQueue
 from scalarlm.server.admission import Admission
-from scalarlm.server.auth import require_api_key
+from scalarlm.server.auth import KeyRing, require_api_key
 from scalarlm.server.body_limit import BodyLimitMiddleware
 from scalarlm.server.deps import ServerState
 from scalarlm.server.errors import install_error_handlers
@@ -27,6 +27,8 @@ from scalarlm.server.models import ModelCatalog
 from scalarlm.server.prompt_check import PromptChecker
 from scalarlm.server.remote_backend import RemoteBackend
 from scalarlm.server.jobs import TrainingJobs
+from scalarlm.server.limits import KeyUsage
+from scalarlm.server.shutdown import Drain, DrainMiddleware
 from scalarlm.server.routers import catalog, generate, health, metrics, openai, sessions, training
 from scalarlm.server.sessions import RLSessions
 from scalarlm.server.telemetry import HttpMetricsMiddleware, ServerMetrics
@@ -54,13 +56,17 @@ def create_app(settings: Settings, worker: EmbeddedWorker | None = None) -> Fast
     app.state.server = state
     app.state.training = TrainingJobs(settings)
     app.state.sessions = RLSessions(app.state.training, state.catalog)
+    app.state.keys = KeyRing.load(settings.server.api_keys, settings.server.api_keys_file)
+    app.state.usage = KeyUsage()
+    app.state.drain = Drain()
     install_error_handlers(app)
     routers = (generate.router, openai.router, training.router, training.alias_router, sessions.router, catalog.router)
     for router in routers:
         app.include_router(router, dependencies=[Depends(require_api_key)])
     for router in (health.router, metrics.router):  # open to probes and scrapers
         app.include_router(router)
-    # Outermost first: count every answer, including 413s from the body limit.
+    # Added innermost first: metrics count every answer, including 413s and the 503s of a draining server.
+    app.add_middleware(DrainMiddleware, drain=app.state.drain)
     app.add_middleware(
         BodyLimitMiddleware,
         default_limit=settings.upload.max_request_bytes,
@@ -105,6 +111,10 @@ async def _running(state: ServerState, worker: EmbeddedWorker | None) -> AsyncIt
         state.backend = None
         if worker_started:
             await worker.stop()
+            # Whatever the stopped worker still held goes back to the queue now, not at lease expiry.
+            returned = await state.queue.requeue_all_leased()
+            if returned:
+                logger.info("returned %d leased items to the queue", returned)
         if remote is not None:
             await remote.close()
         state.metrics.bind(None, None)

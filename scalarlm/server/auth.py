@@ -1,23 +1,143 @@
-"""API keys: when `server.api_keys` is set, every queue and OpenAI route needs `Authorization: Bearer <key>`
-(what the OpenAI client and scalarlm's client send). Health and Prometheus metrics stay open for probes."""
+"""API keys: when keys are configured, every route but health and Prometheus metrics needs
+`Authorization: Bearer <key>` (what the OpenAI client and scalarlm's client send), and a key must hold
+the route's scope.
+
+Keys come from `server.api_keys` (env `SCALARLM_API_KEYS`, comma-separated: every scope, no limits) and
+from `server.api_keys_file`, one key a line: `<key> [scope1,scope2] [max_queued=N] [max_jobs=M]`
+(`#` starts a comment). Only the SHA-256 digest of each key is kept in memory, and a presented key is
+compared digest to digest with `hmac.compare_digest` against every configured key (constant time).
+
+Scopes: `generate` (batch queue and OpenAI routes), `train` (/v1/megatron/*, /v1/train), `admin`
+(clear_queue, and the worker routes get_work/finish_work: a worker key is an operator's key, since a
+worker sees every prompt and writes every result).
+"""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import logging
+from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import Request
 
-from scalarlm.protocol.errors import Unauthorized
+from scalarlm.protocol.errors import Forbidden, Unauthorized
+
+logger = logging.getLogger(__name__)
+
+SCOPES = frozenset({"generate", "train", "admin"})
+
+# Routes (by their path template) needing a scope other than the one their prefix implies.
+_ADMIN_ROUTES = frozenset({"/v1/generate/clear_queue", "/v1/generate/get_work", "/v1/generate/finish_work"})
+
+
+class KeyFileError(ValueError):
+    """A line of the keys file cannot be read."""
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """One configured key: its digest, a printable id (digest prefix, for logs), scopes and limits."""
+
+    digest: bytes
+    scopes: frozenset[str]
+    max_queued: int | None = None
+    max_jobs: int | None = None
+
+    @property
+    def key_id(self) -> str:
+        return self.digest.hex()[:12]
+
+
+def digest(key: str) -> bytes:
+    """The SHA-256 digest a key is stored and compared as."""
+    return hashlib.sha256(key.encode()).digest()
+
+
+def parse_key_line(line: str) -> ApiKey | None:
+    """One keys-file line -> ApiKey (None for blank and comment lines)."""
+    text = line.split("#", 1)[0].strip()
+    if not text:
+        return None
+    key, *rest = text.split()
+    scopes: frozenset[str] = SCOPES
+    limits: dict[str, int] = {}
+    for field in rest:
+        name, eq, value = field.partition("=")
+        if eq:
+            if name not in ("max_queued", "max_jobs") or not value.isdigit():
+                raise KeyFileError(f"unknown or bad limit {field!r} (use max_queued=N, max_jobs=M)")
+            limits[name] = int(value)
+        else:
+            scopes = frozenset(s for s in field.split(",") if s)
+            unknown = scopes - SCOPES
+            if unknown:
+                raise KeyFileError(f"unknown scope(s) {sorted(unknown)}; scopes are {sorted(SCOPES)}")
+    return ApiKey(digest(key), scopes, limits.get("max_queued"), limits.get("max_jobs"))
+
+
+class KeyRing:
+    """The configured keys, as digests; empty means authentication is off."""
+
+    def __init__(self, keys: list[ApiKey]) -> None:
+        self.keys = keys
+
+    @classmethod
+    def load(cls, api_keys: list[str], keys_file: Path | None) -> "KeyRing":
+        """Keys from the settings list (full scope) and the keys file (scoped, with limits)."""
+        keys = [ApiKey(digest(k), SCOPES) for k in api_keys if k]
+        if keys_file is not None:
+            for number, line in enumerate(keys_file.read_text().splitlines(), 1):
+                try:
+                    parsed = parse_key_line(line)
+                except KeyFileError as e:
+                    raise KeyFileError(f"{keys_file}:{number}: {e}") from None
+                if parsed is not None:
+                    keys.append(parsed)
+        return cls(keys)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.keys)
+
+    def find(self, token: str) -> ApiKey | None:
+        """The key whose digest equals the token's; every key is compared, so timing reveals nothing."""
+        presented = digest(token)
+        found = None
+        for key in self.keys:
+            if hmac.compare_digest(presented, key.digest):
+                found = key
+        return found
+
+
+def required_scope(path_template: str) -> str:
+    """The scope a route needs, from its path template."""
+    if path_template in _ADMIN_ROUTES:
+        return "admin"
+    if path_template.startswith(("/v1/megatron", "/v1/train")):
+        return "train"
+    return "generate"
 
 
 def require_api_key(request: Request) -> None:
-    """Dependency: pass when no keys are configured or the bearer token is one of them."""
-    keys: list[str] = request.app.state.server.settings.server.api_keys
-    if not keys:
+    """Dependency: pass when auth is off, or the bearer key is known and holds the route's scope.
+
+    The matched key is left on `request.state.api_key` for per-key limits.
+    """
+    ring: KeyRing = request.app.state.keys
+    request.state.api_key = None
+    if not ring.enabled:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token:
+    if scheme.lower() != "bearer" or not token.strip():
         raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'", param="authorization")
-    # Compare against every key in constant time, so timing does not reveal a key's prefix.
-    if not any(hmac.compare_digest(token.strip().encode(), key.encode()) for key in keys):
+    key = ring.find(token.strip())
+    if key is None:
         raise Unauthorized("invalid API key", param="authorization")
+    route = request.scope.get("route")
+    scope = required_scope(getattr(route, "path", request.url.path))
+    if scope not in key.scopes:
+        logger.info("key %s lacks scope %r for %s", key.key_id, scope, request.url.path)
+        raise Forbidden(f"this API key lacks the {scope!r} scope", param="authorization")
+    request.state.api_key = key

@@ -30,6 +30,7 @@ from scalarlm.protocol.generate import (
 from scalarlm.server.batch_items import BatchBuilder
 from scalarlm.server.deps import PromptsDep, QueueDep, SettingsDep, StateDep
 from scalarlm.server.download_body import file_chunks, spool_download
+from scalarlm.server.limits import request_key, request_usage
 from scalarlm.server.telemetry import THROUGHPUT_WINDOW_SECONDS
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ BuilderDep = Annotated[BatchBuilder, Depends(get_builder)]
 
 @router.post("", response_model=GenerateResponse)
 async def generate(
-    body: GenerateRequest, queue: QueueDep, builder: BuilderDep, settings: SettingsDep
+    body: GenerateRequest, queue: QueueDep, builder: BuilderDep, settings: SettingsDep, request: Request
 ) -> GenerateResponse | Response:
     """Store every prompt in one transaction; answer at once or after up to `wait_seconds` for results."""
     if len(body.prompts) > settings.generate.max_batch_prompts:
@@ -55,8 +56,11 @@ async def generate(
             f"prompts holds {len(body.prompts)} items; the limit is {settings.generate.max_batch_prompts}",
             param="prompts",
         )
+    key, usage = request_key(request), request_usage(request)
+    await usage.check_queued(key, len(body.prompts), queue)  # per-key limit: 429 when over
     model, items = await asyncio.to_thread(builder.from_request, body)
     batch = await queue.enqueue(items, model)
+    usage.add_batch(key, batch.batch_id)
     wait = body.wait_seconds or 0.0
     if wait <= 0:
         return Response(_queued_results_json(batch.request_ids, model), media_type="application/json")
@@ -87,7 +91,10 @@ async def upload(request: Request, queue: QueueDep, builder: BuilderDep, state: 
         file = form.get("file")
         if not isinstance(file, UploadFile):
             raise InvalidRequest("multipart field 'file' (a JSON list of prompts) is required", param="file")
+        key, usage = request_key(request), request_usage(request)
+        await usage.check_queued(key, 0, queue)  # the count is known only once stored
         batch = await queue.enqueue(builder.from_upload(file.file), state.catalog.base)
+        usage.add_batch(key, batch.batch_id)
     finally:
         await form.close()
     return UploadResponse(request_id=batch.batch_id, total_requests=batch.count)

@@ -24,6 +24,7 @@ from scalarlm.protocol.training import (
 )
 from scalarlm.server.deps import SettingsDep
 from scalarlm.server.jobs import TrainingJobs, parse_train_args
+from scalarlm.server.limits import request_key, request_usage
 from scalarlm.server.training_uploads import UploadSessions
 
 router = APIRouter(prefix="/v1/megatron", tags=["training"])
@@ -45,35 +46,52 @@ JobsDep = Annotated[TrainingJobs, Depends(get_jobs)]
 UploadsDep = Annotated[UploadSessions, Depends(get_uploads)]
 
 
-def _submit_upload(jobs: TrainingJobs, file: UploadFile, params: str | None) -> TrainResponse:
+def _is_running(jobs: TrainingJobs, job_id: str) -> bool:
+    try:
+        return not jobs.job(job_id).read_status().terminal
+    except ScalarLMError:  # deleted
+        return False
+
+
+def _check_job_limit(jobs: TrainingJobs, request: Request) -> None:
+    """Per-key limit on concurrent training jobs: 429 when the key already runs its maximum."""
+    request_usage(request).check_jobs(request_key(request), lambda job_id: _is_running(jobs, job_id))
+
+
+def _submit_upload(jobs: TrainingJobs, file: UploadFile, params: str | None, request: Request) -> TrainResponse:
     """Spool the uploaded archive to the home volume, submit it, remove the spool file."""
+    _check_job_limit(jobs, request)
     jobs.uploads_dir.mkdir(parents=True, exist_ok=True)
     spool = jobs.uploads_dir / f"single-{secrets.token_hex(8)}"
     try:
         copy_upload(file.file, spool, jobs.settings.upload.max_upload_bytes)
-        return jobs.submit(spool, params)
+        response = jobs.submit(spool, params)
     finally:
         spool.unlink(missing_ok=True)
+    request_usage(request).add_job(request_key(request), response.job_status["job_id"])
+    return response
 
 
 @router.post("/train", response_model=TrainResponse)
 def train(
+    request: Request,
     jobs: JobsDep,
     file: Annotated[UploadFile, File(description="tar/tar.gz holding dataset.jsonlines, or a JSONL file")],
     params: Annotated[str | None, Form(description="train args as a JSON object")] = None,
 ) -> TrainResponse:
     """Start a training job from a ScalarLM-style multipart upload (any bundled code is ignored)."""
-    return _submit_upload(jobs, file, params)
+    return _submit_upload(jobs, file, params, request)
 
 
 @alias_router.post("/v1/train", response_model=TrainResponse)
 def train_alias(
+    request: Request,
     jobs: JobsDep,
     file: Annotated[UploadFile, File()],
     params: Annotated[str | None, Form()] = None,
 ) -> TrainResponse:
     """Same as POST /v1/megatron/train."""
-    return _submit_upload(jobs, file, params)
+    return _submit_upload(jobs, file, params, request)
 
 
 @router.post("/upload/init", response_model=UploadInitResponse)
@@ -99,8 +117,11 @@ async def upload_chunk(
 
 
 @router.post("/upload/finalize", response_model=TrainResponse)
-def upload_finalize(body: UploadFinalizeRequest, jobs: JobsDep, uploads: UploadsDep) -> TrainResponse:
+def upload_finalize(
+    body: UploadFinalizeRequest, jobs: JobsDep, uploads: UploadsDep, request: Request
+) -> TrainResponse:
     """Join the chunks, check the archive's hash, and submit it like POST /v1/megatron/train."""
+    _check_job_limit(jobs, request)
     archive, session = uploads.assemble(body.upload_id)
     try:
         response = jobs.submit(archive, session.params)
@@ -111,6 +132,7 @@ def upload_finalize(body: UploadFinalizeRequest, jobs: JobsDep, uploads: Uploads
         archive.unlink(missing_ok=True)  # keep the chunks: finalize may be retried
         raise
     uploads.discard(body.upload_id)
+    request_usage(request).add_job(request_key(request), response.job_status["job_id"])
     return response
 
 
