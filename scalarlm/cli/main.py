@@ -34,6 +34,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-name", help="model to use (default: the server's base model)")
     p.add_argument("--max-tokens", type=int, help="tokens to generate per prompt")
     p.add_argument("--api-url", help="server URL (default: SCALARLM_API_URL or http://localhost:8000)")
+    p.add_argument("--api-key", help="API key sent as a Bearer token (default: SCALARLM_API_KEY)")
     p.set_defaults(func=_run_generate)
 
 
@@ -95,7 +96,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     from scalarlm.client import ScalarLM
     from scalarlm.protocol.errors import ScalarLMError
 
-    with ScalarLM(api_url=args.api_url) as llm:
+    with ScalarLM(api_url=args.api_url, api_key=args.api_key) as llm:
         try:
             results = llm.generate(args.prompts, model_name=args.model_name, max_tokens=args.max_tokens)
         except httpx.TransportError as exc:
