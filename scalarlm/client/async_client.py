@@ -9,6 +9,7 @@ import httpx
 from scalarlm.client import flows
 from scalarlm.client.connection import auth_headers, resolve_api_key, resolve_api_url
 from scalarlm.client.payloads import PromptInput
+from scalarlm.client.rl import DEFAULT_STEP_WAIT_SECONDS, AsyncRLSession, create_flow
 from scalarlm.client.sync_client import DEFAULT_TIMEOUT
 from scalarlm.client.training import AsyncTrainingMethods
 from scalarlm.client.transport import run_async
@@ -42,6 +43,12 @@ class AsyncScalarLM(AsyncTrainingMethods):
     async def get_results(self, request_ids: list[str], wait_seconds: float | None = 0) -> list[GenerateResult]:
         """Current results for these ids (unfinished ones have response None)."""
         return await self._run(flows.get_results(request_ids, wait_seconds))
+
+    async def rl_session(self, model_name: str | None = None, train_args: dict[str, Any] | None = None,
+                         step_wait_seconds: float = DEFAULT_STEP_WAIT_SECONDS) -> AsyncRLSession:
+        """Start an RL session (a trainer taking one step per `session.step(rows)`; full weights by default)."""
+        info = await self._run(create_flow(model_name, train_args))
+        return AsyncRLSession(self, info, step_wait_seconds)
 
     async def health(self) -> dict[str, Any]:
         """GET /v1/health."""

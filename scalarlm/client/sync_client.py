@@ -10,6 +10,7 @@ import httpx
 from scalarlm.client import flows
 from scalarlm.client.connection import auth_headers, resolve_api_key, resolve_api_url
 from scalarlm.client.payloads import PromptInput
+from scalarlm.client.rl import DEFAULT_STEP_WAIT_SECONDS, RLSession, create_flow
 from scalarlm.client.training import TrainingMethods
 from scalarlm.client.transport import run_sync
 from scalarlm.protocol.generate import GenerateResult
@@ -48,6 +49,12 @@ class ScalarLM(TrainingMethods):
     def get_results(self, request_ids: list[str], wait_seconds: float | None = 0) -> list[GenerateResult]:
         """Current results for these ids (unfinished ones have response None)."""
         return self._run(flows.get_results(request_ids, wait_seconds))
+
+    def rl_session(self, model_name: str | None = None, train_args: dict[str, Any] | None = None,
+                   step_wait_seconds: float = DEFAULT_STEP_WAIT_SECONDS) -> RLSession:
+        """Start an RL session (a trainer taking one step per `session.step(rows)`; full weights by default)."""
+        info = self._run(create_flow(model_name, train_args))
+        return RLSession(self, info, step_wait_seconds)
 
     def health(self) -> dict[str, Any]:
         """GET /v1/health: {"api", "vllm", "all"} each "up", "down" or "starting"."""
