@@ -1,0 +1,74 @@
+"""The HF <-> megatron mapping as pure tensor code: bit-exact round trips (TP 1 and 2), layouts, arch checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from scalarlm.cli.tiny_model import make_tiny_model
+from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.training import hf_io
+from scalarlm.training.convert import hf_tensor_names, hf_to_mcore, mcore_to_hf
+from scalarlm.training.model import arch_from_hf_config, check_tensor_parallel
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(
+        tmp_path_factory.mktemp("qwen2") / "m", family="qwen2", heads=4, kv_heads=2, tie_embeddings=True
+    )
+
+
+def _load(model_dir: Path):
+    names = hf_io.tensor_names(model_dir)
+    arch = arch_from_hf_config(hf_io.read_config(model_dir), qkv_bias=any(n.endswith("q_proj.bias") for n in names))
+    return arch, hf_io.load_weights(model_dir)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("which", ["llama", "qwen2"])
+def test_round_trip_is_bit_exact(tiny_model_dir: Path, qwen2_dir: Path, which: str, tp: int) -> None:
+    arch, hf = _load(tiny_model_dir if which == "llama" else qwen2_dir)
+    shards = [hf_to_mcore(hf, arch, rank, tp) for rank in range(tp)]
+    back = mcore_to_hf(shards, arch)
+    assert set(back) == set(hf) == set(hf_tensor_names(arch))
+    for name, tensor in hf.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_qwen2_shape_is_read_from_config_and_weights(qwen2_dir: Path) -> None:
+    arch, hf = _load(qwen2_dir)
+    assert arch.qkv_bias and arch.tied_embeddings and (arch.num_heads, arch.num_kv_heads) == (4, 2)
+    mcore = hf_to_mcore(hf, arch)
+    assert "output_layer.weight" not in mcore  # tied: megatron shares the embedding
+    qkv = mcore["decoder.layers.0.self_attention.linear_qkv.weight"]
+    d = arch.head_dim
+    # Group 0 holds query heads 0-1, then k_0, then v_0.
+    q, k = hf["model.layers.0.self_attn.q_proj.weight"], hf["model.layers.0.self_attn.k_proj.weight"]
+    assert torch.equal(qkv[: 2 * d], q[: 2 * d]) and torch.equal(qkv[2 * d : 3 * d], k[:d])
+    assert mcore["decoder.layers.0.self_attention.linear_qkv.bias"].shape == (arch.num_kv_heads * 4 * d,)
+
+
+def test_tp_shards_hold_whole_kv_groups_and_split_gate_and_up(qwen2_dir: Path) -> None:
+    arch, hf = _load(qwen2_dir)
+    r0, r1 = (hf_to_mcore(hf, arch, r, 2) for r in range(2))
+    full = hf_to_mcore(hf, arch)
+    name = "decoder.layers.1.self_attention.linear_qkv.weight"
+    assert torch.equal(torch.cat([r0[name], r1[name]]), full[name])
+    fc1 = "decoder.layers.1.mlp.linear_fc1.weight"
+    ffn = arch.ffn_hidden_size
+    gate, up = hf["model.layers.1.mlp.gate_proj.weight"], hf["model.layers.1.mlp.up_proj.weight"]
+    assert torch.equal(r1[fc1], torch.cat([gate[ffn // 2 :], up[ffn // 2 :]]))
+
+
+def test_unsupported_models_and_layouts_are_rejected(tiny_model_dir: Path) -> None:
+    config = hf_io.read_config(tiny_model_dir)
+    with pytest.raises(InvalidRequest, match="not supported"):
+        arch_from_hf_config({**config, "architectures": ["GPT2LMHeadModel"]}, qkv_bias=False)
+    with pytest.raises(InvalidRequest, match="RoPE scaling"):
+        arch_from_hf_config({**config, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, qkv_bias=False)
+    arch = arch_from_hf_config(config, qkv_bias=False)
+    with pytest.raises(InvalidRequest, match="tensor_parallel_size 3"):
+        check_tensor_parallel(arch, 3)

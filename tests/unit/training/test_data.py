@@ -1,0 +1,110 @@
+"""Tokenization with completion masks, chat templates, truncation, packing with per-document masks, the seeded
+resumable block stream and DP sharding, on the tiny model's real tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.training.data import BlockStream, Document, collate, encode_row, encode_rows, pack, step_batch
+from scalarlm.training.rows import Row
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def _target_text(tokenizer, doc: Document) -> str:
+    return tokenizer.decode([t for t, m in zip(doc.tokens, doc.targets) if m])
+
+
+def test_prompt_completion_row_trains_on_completion_and_eos_only(tokenizer) -> None:
+    doc = encode_row(tokenizer, Row(line=1, prompt="What is the capital of France? ", completion="Paris"))
+    assert doc.tokens[-1] == tokenizer.eos_token_id and doc.targets[-1]
+    assert _target_text(tokenizer, doc) == "Paris</s>"
+    assert not any(doc.targets[: doc.targets.index(True)])
+    assert tokenizer.decode(doc.tokens, skip_special_tokens=True) == "What is the capital of France? Paris"
+
+
+def test_chat_row_trains_on_assistant_turns_only(tokenizer) -> None:
+    messages = (
+        {"role": "system", "content": "Be short."},
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hi there"},
+        {"role": "user", "content": "What is two plus two?"},
+        {"role": "assistant", "content": "four"},
+    )
+    doc = encode_row(tokenizer, Row(line=1, messages=messages))
+    rendered = tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False)
+    assert tokenizer.decode(doc.tokens) == rendered
+    target = _target_text(tokenizer, doc)
+    assert "Hi there" in target and "four" in target
+    for not_trained in ("Be short.", "Hello", "two plus two", "<|user|>", "<|assistant|>"):
+        assert not_trained not in target
+
+
+def test_long_rows_are_truncated_and_counted_never_a_crash(tokenizer) -> None:
+    rows = [
+        Row(line=1, prompt="Q ", completion="one two three " * 30),  # truncated, keeps some completion
+        Row(line=2, prompt="seven " * 80, completion="lost"),  # prompt alone fills max_len: dropped
+        Row(line=3, prompt="Q ", completion="A"),
+    ]
+    docs, stats = encode_rows(tokenizer, rows, max_len=32)
+    assert (stats.rows, stats.documents, stats.truncated_rows, stats.dropped_rows) == (3, 2, 2, 1)
+    assert all(len(d.tokens) <= 32 for d in docs)
+    with pytest.raises(InvalidRequest, match="no trainable rows"):
+        encode_rows(tokenizer, rows[1:2], max_len=32)
+
+
+def test_packed_documents_do_not_attend_across_and_positions_restart() -> None:
+    a = Document(tokens=(10, 11, 12), targets=(False, True, True))
+    b = Document(tokens=(20, 21, 22, 23), targets=(False, False, True, True))
+    (block,) = pack([a, b], [0, 1], max_len=16, packing=True)
+    batch = collate([block], pad_id=0, multiple=8)
+    assert batch.tokens[0].tolist() == [10, 11, 12, 20, 21, 22, 23, 0]
+    assert batch.position_ids[0, :7].tolist() == [0, 1, 2, 0, 1, 2, 3]
+    visible = ~batch.attention_mask[0, 0]  # True = may attend
+    assert visible[3:7, 0:3].sum() == 0 and visible[0:3, 3:7].sum() == 0  # no attention across documents
+    assert torch.equal(visible[3:7, 3:7], torch.ones(4, 4, dtype=torch.bool).tril())
+    # Predicting a token of the next document is never in the loss; padding never is.
+    assert batch.loss_mask[0].tolist() == [1, 1, 0, 0, 1, 1, 0, 0]
+    assert batch.labels[0, :2].tolist() == [11, 12] and batch.labels[0, 4:6].tolist() == [22, 23]
+    assert len(pack([a, b], [0, 1], max_len=16, packing=False)) == 2
+    assert len(pack([a, b], [0, 1], max_len=6, packing=True)) == 2
+
+
+def _docs(n: int) -> list[Document]:
+    return [Document(tuple(range(100 * i, 100 * i + 3 + i % 4)), (False,) + (True,) * (2 + i % 4)) for i in range(n)]
+
+
+def test_block_stream_is_seeded_reshuffles_each_epoch_and_resumes_exactly() -> None:
+    docs = _docs(20)
+    first = BlockStream(docs, max_len=12, seed=7)
+    blocks = first.take(40)  # crosses several epochs
+    assert blocks == BlockStream(docs, max_len=12, seed=7).take(40)
+    assert blocks != BlockStream(docs, max_len=12, seed=8).take(40)
+    epoch0 = BlockStream(docs, max_len=12, seed=7)._epoch_blocks()
+    epoch1 = BlockStream(docs, max_len=12, seed=7, epoch=1)._epoch_blocks()
+    assert epoch0 != epoch1
+
+    stream = BlockStream(docs, max_len=12, seed=7)
+    stream.take(13)
+    resumed = BlockStream(docs, max_len=12, seed=7)
+    resumed.load_state_dict(stream.state_dict())
+    assert resumed.take(27) == blocks[13:]
+
+
+def test_dp_ranks_split_the_global_batch_and_share_its_token_count() -> None:
+    blocks = BlockStream(_docs(20), max_len=12, seed=0).take(8)
+    one = step_batch(blocks, batch_size=2, accum=4, dp_size=1, dp_rank=0, pad_id=0)
+    ranks = [step_batch(blocks, batch_size=2, accum=2, dp_size=2, dp_rank=r, pad_id=0) for r in range(2)]
+    assert one.global_loss_tokens == ranks[0].global_loss_tokens == ranks[1].global_loss_tokens
+    assert one.global_loss_tokens == sum(int(m.loss_mask.sum()) for m in one.micro_batches)
+    seen = sorted(tuple(row.tolist()) for r in ranks for m in r.micro_batches for row in m.tokens)
+    assert seen == sorted(tuple(row.tolist()) for m in one.micro_batches for row in m.tokens)
