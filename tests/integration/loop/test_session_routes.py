@@ -1,0 +1,86 @@
+"""RL session routes over a real control plane, real LocalLauncher and a stand-in trainer process.
+
+The stand-in (session_standin.py) follows the session file contract; what is under test is the control
+plane: row validation, request/result hand-off, versions reaching workers, `end`, and failing fast when
+the trainer dies.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from scalarlm.launcher.local import LocalLauncher
+from scalarlm.server.jobs import TrainingJobs
+from scalarlm.server.sessions import RLSessions
+
+STANDIN = Path(__file__).with_name("session_standin.py")
+
+RL_ROWS = [
+    {"prompt": "3+4=", "completion": "7", "reward": 1.0},
+    {"prompt": "3+4=", "completion": "8", "reward": 0.0, "logprobs": [-0.5]},
+]
+
+
+def use_standin(client) -> None:  # type: ignore[no-untyped-def]
+    """Swap the app's launcher for one that runs the stand-in trainer (the app object is the transport's)."""
+    app = client._transport.app
+    settings = app.state.server.settings
+    jobs = TrainingJobs(settings, launchers={"local": LocalLauncher(settings, python=sys.executable,
+                                                                    entry=[str(STANDIN)], grace_seconds=5)})
+    app.state.training = jobs
+    app.state.sessions = RLSessions(jobs, app.state.server.catalog)
+
+
+async def test_session_steps_return_versions_workers_serve(control_plane) -> None:
+    async with control_plane(training={"poll_seconds": 0.2}) as (client, _):
+        use_standin(client)
+        created = await client.post("/v1/train/sessions", json={"train_args": {"learning_rate": 1e-3}})
+        assert created.status_code == 200, created.text
+        session = created.json()
+        sid = session["session_id"]
+        assert session["model_name"] == sid and session["version"] == 0
+
+        for expected in (1, 2):
+            reply = await client.post(f"/v1/train/sessions/{sid}/step", json={"rows": RL_ROWS, "wait_seconds": 60})
+            assert reply.status_code == 200, reply.text
+            body = reply.json()
+            assert (body["version"], body["step"], body["metrics"]) == (expected, expected, {"rows": 2})
+            work = (await client.post("/v1/generate/get_work", json={"capacity": 0})).json()
+            assert {m["name"]: m["version"] for m in work["models"]}[sid] == expected
+
+        sft = await client.post(f"/v1/train/sessions/{sid}/step", json={"rows": [{"input": "a", "output": "b"}]})
+        assert sft.status_code == 200 and sft.json()["version"] == 3
+        assert (await client.get(f"/v1/train/sessions/{sid}")).json()["version"] == 3
+
+        ended = await client.delete(f"/v1/train/sessions/{sid}")
+        assert ended.status_code == 200 and ended.json()["status"] == "COMPLETED"
+        late = await client.post(f"/v1/train/sessions/{sid}/step", json={"rows": RL_ROWS})
+        assert late.status_code == 409 and "ended" in late.json()["error"]["message"]
+        queued = await client.post("/v1/generate", json={"prompts": ["hi"], "model": sid})
+        assert queued.status_code == 200  # the ended session's weights stay servable
+
+
+async def test_bad_rows_are_400_and_a_dead_trainer_fails_the_step_fast(control_plane) -> None:
+    async with control_plane(training={"poll_seconds": 0.2}) as (client, _):
+        use_standin(client)
+        sid = (await client.post("/v1/train/sessions", json={})).json()["session_id"]
+        for rows, words in (
+            ([{"prompt": "x", "completion": "y", "reward": "high"}], "reward"),
+            ([{"prompt": "x", "completion": "y", "reward": 1, "extra": 1}], "extra"),
+            ([{"completion": "y", "reward": 1}], "prompt"),
+            ([{"text": "x"}], "expected"),
+        ):
+            reply = await client.post(f"/v1/train/sessions/{sid}/step", json={"rows": rows})
+            assert reply.status_code == 400 and words in reply.json()["error"]["message"], reply.text
+        bad_args = await client.post("/v1/train/sessions", json={"train_args": {"nope": 1}})
+        assert bad_args.status_code == 400 and "nope" in bad_args.json()["error"]["message"]
+
+        reply = await client.post(f"/v1/train/sessions/{sid}/step",
+                                  json={"rows": [{"prompt": "x", "completion": "die", "reward": 1}], "wait_seconds": 120})
+        assert reply.status_code == 503
+        assert "FAILED" in reply.json()["error"]["message"]
+        assert (await client.get(f"/v1/train/sessions/{sid}")).json()["status"] == "FAILED"
+
+        job = (await client.get("/v1/train/sessions/job-missing")).status_code
+        assert job == 404
