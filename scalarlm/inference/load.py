@@ -10,7 +10,7 @@ import logging
 from typing import Any
 
 from vllm.config import VllmConfig
-from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.loggers import PrometheusStatLogger
 
 from scalarlm.protocol.generate import EngineLoad
 
@@ -61,12 +61,20 @@ class LoadTracker:
         )
 
 
-class SchedulerStatsLogger(StatLoggerBase):
-    """A vLLM stat logger that forwards each engine step's scheduler stats to a `LoadTracker`."""
+class SchedulerStatsLogger(PrometheusStatLogger):
+    """A vLLM stat logger that forwards each engine step's scheduler stats to a `LoadTracker`.
 
-    def __init__(self, vllm_config: VllmConfig, engine_index: int = 0, *, tracker: LoadTracker) -> None:
-        self.tracker = tracker
-        self.engine_index = engine_index
+    It takes the Prometheus logger's place, as vLLM's own `RayPrometheusStatLogger` does: vLLM builds
+    a Prometheus logger only when no custom one is given. This worker exposes no vLLM `/metrics` (the
+    control plane owns metrics), and Prometheus histograms per token cost ~15% of the front end's CPU.
+    """
+
+    tracker: LoadTracker  # bound per engine by `stat_logger_factory`
+
+    def __init__(self, vllm_config: VllmConfig, engine_indexes: list[int] | None = None) -> None:
+        # Deliberately no super().__init__(): it would register Prometheus metrics we never serve.
+        self.vllm_config = vllm_config
+        self.engine_indexes = engine_indexes or [0]
 
     def record(
         self,
@@ -79,14 +87,19 @@ class SchedulerStatsLogger(StatLoggerBase):
         if scheduler_stats is not None:
             self.tracker.record_scheduler_stats(scheduler_stats)
 
+    def record_admission_rejection(self, reason: str) -> None:
+        """Admission is the control plane's job; nothing to record."""
+
+    def record_sleep_state(self, sleep: int = 0, level: int = 0) -> None:
+        """Sleep mode is not used by this worker."""
+
     def log_engine_initialized(self) -> None:
         """Nothing to log: the worker logs its own start."""
 
+    def log(self) -> None:
+        """Nothing to log periodically."""
 
-def stat_logger_factory(tracker: LoadTracker) -> Any:
-    """A `StatLoggerFactory` (what `AsyncLLM(stat_loggers=[...])` takes) bound to `tracker`."""
 
-    def factory(vllm_config: VllmConfig, engine_index: int = 0) -> SchedulerStatsLogger:
-        return SchedulerStatsLogger(vllm_config, engine_index, tracker=tracker)
-
-    return factory
+def stat_logger_factory(tracker: LoadTracker) -> type[SchedulerStatsLogger]:
+    """A stat logger class (what `AsyncLLM(stat_loggers=[...])` takes) bound to `tracker`."""
+    return type("BoundSchedulerStatsLogger", (SchedulerStatsLogger,), {"tracker": tracker})

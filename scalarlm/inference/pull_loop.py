@@ -54,8 +54,10 @@ class PullLoop:
         self.worker_id = worker_id
         self.versions = versions or ModelVersions(settings.base_model_name)
         max_seqs = engine.load.max_num_seqs
-        self.prefetch = max(1, max_seqs // 4)
-        self.min_pull = max(1, self.prefetch // 2)
+        # Keep up to one more engine-full of work queued inside vLLM: short generations can free every
+        # slot in one step, and the queued work fills them before the next pull returns.
+        self.prefetch = max_seqs
+        self.min_pull = max(1, max_seqs // 4)
         self._tokenizer: Any = None
         self._ids = itertools.count()
         self._tasks: set[asyncio.Task[None]] = set()

@@ -91,3 +91,12 @@ async def test_unknown_model_item_fails_alone(vllm_engine: Any, inference_settin
     results = await _run_batch(vllm_engine, inference_settings, tmp_path / "queue.sqlite", items)
     assert results["0"].status == "completed"
     assert results["1"].status == "failed" and "no-such-model" in (results["1"].error or "")
+
+
+@pytest.mark.slow
+async def test_batch_of_10000_completes(vllm_engine: Any, inference_settings: Any, tmp_path: Path) -> None:
+    items = [{"prompt": f"Item {i} says", "sampling": {"max_tokens": 2}} for i in range(10_000)]
+    results = await _run_batch(vllm_engine, inference_settings, tmp_path / "queue.sqlite", items)
+    assert len(results) == 10_000
+    assert sum(r.status == "completed" for r in results.values()) == 10_000
+    assert all(r.version == 0 and r.completion_tokens for r in results.values())
