@@ -29,7 +29,9 @@ logger = logging.getLogger(__name__)
 SCOPES = frozenset({"generate", "train", "admin"})
 
 # Routes (by their path template) needing a scope other than the one their prefix implies.
-_ADMIN_ROUTES = frozenset({"/v1/generate/clear_queue", "/v1/generate/get_work", "/v1/generate/finish_work"})
+_ADMIN_ROUTES = frozenset({
+    "/v1/generate/clear_queue", "/v1/generate/get_work", "/v1/generate/finish_work", "/v1/internal/published",
+})
 
 
 class KeyFileError(ValueError):

@@ -118,3 +118,15 @@ async def test_openai_models_lists_trained_models_with_their_version(control_pla
         assert data["job-e"]["parent"] == "tiny" and data["job-e"]["max_model_len"] == 512
         reply = await client.post("/v1/chat/completions", json={"model": "job-x", "messages": []})
         assert reply.status_code == 404
+
+
+async def test_published_notice_needs_the_admin_scope_when_keys_are_on(control_plane, tmp_path: Path) -> None:
+    keys = tmp_path / "keys.txt"
+    keys.write_text("gen-key generate\nadmin-key admin\n")
+    async with control_plane(server={"api_keys_file": str(keys)}) as (client, _):
+        notice = {"job_id": "job-nope", "step": 1}
+        assert (await client.post("/v1/internal/published", json=notice)).status_code == 401
+        headers = {"authorization": "Bearer gen-key"}
+        assert (await client.post("/v1/internal/published", json=notice, headers=headers)).status_code == 403
+        headers = {"authorization": "Bearer admin-key"}
+        assert (await client.post("/v1/internal/published", json=notice, headers=headers)).status_code == 404
