@@ -131,7 +131,7 @@ def free_port_pair() -> int:
 
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    """Start a one-node SLURM cluster for the session; SLURM_CONF points at it while it runs."""
+    """Start a one-node SLURM cluster for the session (tests pass `cluster.env()` or set SLURM_CONF themselves)."""
     _install_or_skip()
     base = tmp_path_factory.mktemp("slurm")
     env = {**os.environ, "SLURM_PORT_BASE": str(_free_port_pair())}
@@ -140,14 +140,7 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmClu
     )
     if started.returncode:
         pytest.fail(f"the SLURM test cluster did not start:\n{started.stdout}\n{started.stderr}")
-    cluster = SlurmCluster(conf=base / "etc" / "slurm.conf", base=base)
-    previous = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = str(cluster.conf)  # the launcher under test calls sbatch from PATH
     try:
-        yield cluster
+        yield SlurmCluster(conf=base / "etc" / "slurm.conf", base=base)
     finally:
-        if previous is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = previous
-        subprocess.run(["bash", str(LOCAL_CLUSTER), "stop", str(base)], capture_output=True, timeout=60)
+        subprocess.run(["bash", str(LOCAL_CLUSTER), "stop", str(base)], capture_output=True, timeout=120)

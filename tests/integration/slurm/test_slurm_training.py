@@ -32,8 +32,9 @@ RANKS = min(2, os.cpu_count() or 1)
 
 
 @pytest.fixture
-def slurm_client(slurm_cluster, tiny_model_dir: Path, tmp_path: Path) -> Iterator[TestClient]:
+def slurm_client(slurm_cluster, tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> Iterator[TestClient]:
     """The real control plane with the SLURM launcher chosen in its settings."""
+    monkeypatch.setenv("SLURM_CONF", str(slurm_cluster.conf))  # SlurmLauncher calls sbatch/squeue from PATH
     settings = Settings(home=tmp_path / "home", model=str(tiny_model_dir),
                         training={"launcher": "slurm", "poll_seconds": 0.5})  # fmt: skip
     with TestClient(create_app(settings)) as client:
