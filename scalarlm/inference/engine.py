@@ -32,8 +32,8 @@ class Engine:
         return int(self.llm.model_config.max_model_len)
 
     def shutdown(self) -> None:
-        """Stop the engine and free its memory."""
-        self.llm.shutdown()
+        """Stop the engine and free its memory (with vLLM's configured grace period, as `vllm serve` does)."""
+        self.llm.shutdown(timeout=self.llm.vllm_config.shutdown_timeout)
 
 
 def serve_cli_args(settings: Settings) -> list[str]:

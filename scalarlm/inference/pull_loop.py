@@ -134,8 +134,8 @@ class PullLoop:
             )
             try:
                 reply = await self.source.get_work(request)
-            except Exception:  # the loop outlives any trouble reaching the control plane
-                logger.warning("get_work failed; retrying in %.2fs", backoff, exc_info=True)
+            except Exception as exc:  # the loop outlives any trouble reaching the control plane
+                logger.warning("get_work failed (%s: %s); retrying in %.2fs", type(exc).__name__, exc, backoff)
                 await self._pause(self._wake, backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)
                 continue
@@ -221,10 +221,10 @@ class PullLoop:
             try:
                 await self.source.finish_work(FinishWorkRequest(worker_id=self.worker_id, results=batch))
                 return
-            except Exception:  # keep the results and retry: the control plane may be restarting
+            except Exception as exc:  # keep the results and retry: the control plane may be restarting
                 if self._closing and attempt >= 3:
                     logger.error("dropping %d results after %d failed finish_work calls", len(batch), attempt)
                     return
-                logger.warning("finish_work failed (attempt %d); retrying", attempt, exc_info=True)
+                logger.warning("finish_work failed (attempt %d, %s: %s); retrying", attempt, type(exc).__name__, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, MAX_BACKOFF * 4)

@@ -100,3 +100,30 @@ async def test_batch_of_10000_completes(vllm_engine: Any, inference_settings: An
     assert len(results) == 10_000
     assert sum(r.status == "completed" for r in results.values()) == 10_000
     assert all(r.version == 0 and r.completion_tokens for r in results.values())
+
+
+async def test_stop_finishes_and_posts_every_leased_item(
+    vllm_engine: Any, inference_settings: Any, tmp_path: Path
+) -> None:
+    from scalarlm.inference.pull_loop import PullLoop
+    from scalarlm.queue.service import QueueService
+    from scalarlm.queue.store import RequestQueue
+
+    service = QueueService(RequestQueue(tmp_path / "queue.sqlite"), idle_wait=0.05)
+    await service.enqueue([{"prompt": f"Story {i}:", "sampling": {"max_tokens": 24, "ignore_eos": True}}
+                           for i in range(400)], model=inference_settings.base_model_name)
+    loop = PullLoop(vllm_engine, service, inference_settings, worker_id="stopping-worker")
+    loop.start()
+    for _ in range(400):
+        if loop.in_flight > 0:
+            break
+        await asyncio.sleep(0.025)
+    assert loop.in_flight > 0
+    await loop.stop()
+
+    counts = await service.counts()
+    assert counts.leased == 0  # everything handed to this worker came back with a result
+    assert counts.completed > 0 and counts.failed == 0
+    assert counts.completed + counts.queued == 400
+    assert vllm_engine.load.in_flight == 0
+    service.close()

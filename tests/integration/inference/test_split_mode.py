@@ -51,9 +51,11 @@ async def split(vllm_engine: Any, inference_settings: Any, tmp_path: Any) -> Asy
                 "worker_urls": [worker_url]}
     )
     settings = inference_settings.model_copy(update={"server": server, "home": tmp_path})
-    control, control_task = await _serve(create_app(settings), api_port)
+    # The worker comes up first: its pull loop must ride out the control plane being unreachable.
     worker_app = create_worker_app(settings, InProcessWorker(settings, worker_id="split-worker", engine=vllm_engine))
     worker, worker_task = await _serve(worker_app, worker_port)
+    await asyncio.sleep(0.5)
+    control, control_task = await _serve(create_app(settings), api_port)
     try:
         yield {"api": api_url, "worker": worker_url}
     finally:
