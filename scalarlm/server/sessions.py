@@ -82,6 +82,7 @@ class RLSessions:
         """Validate args, write the session's job dir (session=True), launch its trainer."""
         params = dict(request.train_args)
         params.setdefault("adapter_type", "full")  # sessions train every weight unless told otherwise
+        params.setdefault("lr_schedule", "constant")  # open-ended: no horizon for a schedule to decay over
         if request.model_name is not None:
             params.setdefault("llm_name", request.model_name)
         args = parse_train_args(params)
