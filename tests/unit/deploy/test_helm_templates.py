@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tempfile
@@ -206,3 +207,19 @@ def test_tensor_parallel_beyond_gpus_fails_to_render():
     values["worker"].update(gpus=1, tensorParallelSize=2)
     with helm.Chart.load(str(CHART)) as chart, pytest.raises(Exception, match="tensorParallelSize"):
         chart.render(values, name="prod", namespace="ml")
+
+
+def test_scoped_keys_file_is_mounted_in_the_api_pod_only():
+    values = load_values(CHART / "values.yaml")
+    values["auth"]["keysFileSecret"] = "team-keys"
+    with helm.Chart.load(str(CHART)) as chart:
+        manifests = chart.render(values, name="prod", namespace="ml")
+    api = yaml.safe_load(manifests["scalarlm/templates/api-deployment.yaml"])
+    (container,) = _containers(api)
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert env["SCALARLM_API_KEYS_FILE"] == f"{mounts['keys-file']}/keys"
+    volumes = {v["name"]: v for v in api["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["keys-file"]["secret"]["secretName"] == "team-keys"
+    worker = yaml.safe_load(manifests["scalarlm/templates/worker-deployment.yaml"])
+    assert "team-keys" not in json.dumps(worker)
