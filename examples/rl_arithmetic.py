@@ -115,7 +115,7 @@ def main() -> int:
     parser.add_argument("--short", action="store_true", help="a few steps only (make demo)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--max-seconds", type=float, default=420.0, help="stop the RL loop after this long")
-    parser.add_argument("--sft-steps", type=int, default=30)
+    parser.add_argument("--sft-steps", type=int, default=8, help="few on purpose: leave room for RL to improve")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--prompts-per-step", type=int, default=25)
     parser.add_argument("--eval-group", type=int, default=16)
@@ -124,7 +124,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.short:
-        args.steps, args.sft_steps, args.eval_group = 3, min(args.sft_steps, 10), 4
+        args.steps, args.eval_group = 3, 4
 
     started = time.monotonic()
     with ExitStack() as stack:
