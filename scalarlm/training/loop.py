@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from scalarlm.checkpoint import JobDir
-from scalarlm.protocol.training import CheckpointManifest, TrainJobConfig
+from scalarlm.protocol.training import CheckpointManifest, TrainArgs, TrainJobConfig
 from scalarlm.training import hf_io
 from scalarlm.training.convert import hf_to_mcore, mark_tensor_parallel
 from scalarlm.training.data import BlockStream, DataStats, encode_rows, step_batch
@@ -35,6 +35,16 @@ from scalarlm.training.state import latest_state, load_state, save_state
 logger = logging.getLogger(__name__)
 
 
+def _warn_unimplemented(args: TrainArgs) -> None:
+    """Say which requested options this trainer does not honour yet (they are accepted for compatibility)."""
+    if args.adapter_type == "lora":
+        logger.warning("LoRA training is not implemented yet: training and publishing full weights")
+    if args.gradient_checkpointing:
+        logger.warning("gradient_checkpointing is not implemented yet: ignored")
+    if args.dtype == "float16":
+        logger.warning("float16 is trained as bfloat16 on GPU (fp32 on CPU)")
+
+
 class Trainer:
     """One rank's share of an SFT job: model shard, optimizer, data stream and step counter."""
 
@@ -48,6 +58,7 @@ class Trainer:
         qkv_bias = any(name.endswith("self_attn.q_proj.bias") for name in hf_io.tensor_names(self.base))
         self.arch = arch_from_hf_config(self.base_config, qkv_bias=qkv_bias)
         self.bf16 = par.on_gpu and args.dtype != "float32"
+        _warn_unimplemented(args)
 
         tokenizer = AutoTokenizer.from_pretrained(self.base)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
