@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from scalarlm.checkpoint import JobDir
 from scalarlm.checkpoint.jobdir import atomic_write_text
 from scalarlm.protocol.errors import ScalarLMError
-from scalarlm.training.launch_env import LaunchEnv, launch_env_from
+from scalarlm.training.launch_env import launch_env_from
 from scalarlm.training.rows import read_rows
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,8 @@ def setup_logging(job: JobDir, rank: int) -> None:
     logging.captureWarnings(True)
 
 
-def _fail(job: JobDir, env: LaunchEnv, reason: str, step: int | None = None) -> int:
+def _fail(job: JobDir, reason: str, step: int | None = None) -> int:
+    """Record FAILED with `reason`; return the exit code of a failed rank."""
     logger.error("job failed: %s", reason)
     changes: dict[str, Any] = {"status": "FAILED", "reason": reason, "end_time": time.time()}
     if step is not None:
@@ -78,7 +79,7 @@ def _fail(job: JobDir, env: LaunchEnv, reason: str, step: int | None = None) -> 
 
 
 def _keep_metrics_up_to(job: JobDir, step: int) -> None:
-    """On resume, drop metrics of steps after the saved state (they are trained again)."""
+    """Drop metrics of steps after the state we start from (they are trained again)."""
     rows = [r for r in job.read_metrics() if int(r.get("step", 0)) <= step]
     atomic_write_text(job.metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
 
@@ -94,7 +95,7 @@ def run_job(job_dir: Path, environ: Mapping[str, str]) -> int:
         config = job.read_config()
         rows = read_rows(job.dataset_path)
     except (ScalarLMError, ValidationError, OSError, ValueError) as e:
-        return _fail(job, env, f"{type(e).__name__}: {e}") if main else 1
+        return _fail(job, f"{type(e).__name__}: {e}") if main else 1
     args = config.train_args
     if main:
         job.create()
@@ -110,10 +111,10 @@ def run_job(job_dir: Path, environ: Mapping[str, str]) -> int:
     try:
         par = init_parallel(env, args.tensor_parallel_size, args.seed)
         trainer = Trainer(job, config, par, rows)
-        if trainer.resume_if_saved() and main:
-            _keep_metrics_up_to(job, trainer.step)
+        trainer.resume_if_saved()
         data = trainer.data_report()
         if main:
+            _keep_metrics_up_to(job, trainer.step)
             logger.info("data: %s", data)
             job.update_status(step=trainer.step, details={"data": data})
 
@@ -130,20 +131,24 @@ def run_job(job_dir: Path, environ: Mapping[str, str]) -> int:
     except Exception as e:  # the entry point turns any failure into FAILED with its reason
         logger.exception("training failed")
         step = trainer.step if trainer is not None else None
-        return _fail(job, env, f"rank {env.rank}: {type(e).__name__}: {e}", step)
+        return _fail(job, f"rank {env.rank}: {type(e).__name__}: {e}", step)
     finally:
         shutdown_parallel()
 
-    if not main:
-        return 0
+    if main:
+        _record_outcome(job, outcome, trainer.step, stop)
+    return 0
+
+
+def _record_outcome(job: JobDir, outcome: str, step: int, stop: StopSignal) -> None:
+    """Write the final status of a job that ended without an error."""
     now = time.time()
     if outcome == "completed":
-        job.update_status(status="COMPLETED", reason=None, step=trainer.step, end_time=now)
+        job.update_status(status="COMPLETED", reason=None, step=step, end_time=now)
     elif (job.root / CANCEL_FILE).exists():
-        job.update_status(status="CANCELLED", reason=f"cancelled at step {trainer.step}", end_time=now)
+        job.update_status(status="CANCELLED", reason=f"cancelled at step {step}", end_time=now)
     else:
         name = signal.Signals(stop.signum).name if stop.signum else "a stop request on another rank"
-        reason = f"terminated by {name} at step {trainer.step}; state saved, resubmit to resume"
-        job.update_status(status="FAILED", reason=reason, step=trainer.step, end_time=now)
-    logger.info("job %s: %s at step %d", config.job_id, outcome, trainer.step)
-    return 0
+        reason = f"terminated by {name} at step {step}; state saved, resubmit to resume"
+        job.update_status(status="FAILED", reason=reason, step=step, end_time=now)
+    logger.info("job %s: %s at step %d", job.job_id, outcome, step)
