@@ -56,6 +56,8 @@ class GenerateSettings(BaseModel):
     """Batch queue behaviour."""
 
     response_timeout: float = Field(60.0, ge=0)
+    # Longest a request may long-poll (`wait_seconds`), so no client holds a connection open forever.
+    max_wait_seconds: float = Field(600.0, gt=0)
     default_max_tokens: int = Field(16, ge=1)
     lease_seconds: float = Field(300.0, gt=0)
     max_batch_prompts: int = Field(1_000_000, ge=1)

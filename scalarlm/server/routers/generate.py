@@ -11,6 +11,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.datastructures import UploadFile
 
+from scalarlm.config import Settings
 from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.protocol.generate import (
     ClearQueueResponse,
@@ -61,7 +62,7 @@ async def generate(
     model, items = await asyncio.to_thread(builder.from_request, body)
     batch = await queue.enqueue(items, model)
     usage.add_batch(key, batch.batch_id)
-    wait = body.wait_seconds or 0.0
+    wait = min(body.wait_seconds or 0.0, settings.generate.max_wait_seconds)
     if wait <= 0:
         return Response(_queued_results_json(batch.request_ids, model), media_type="application/json")
     return GenerateResponse(results=await queue.wait_results(batch.request_ids, wait))
@@ -76,10 +77,16 @@ def _queued_results_json(request_ids: list[str], model: str) -> bytes:
     return f'{{"results":[{entries}]}}'.encode()
 
 
+def _wait_seconds(asked: float | None, settings: Settings) -> float:
+    """How long a long-poll waits: as asked (default `response_timeout`), at most `max_wait_seconds`."""
+    wait = settings.generate.response_timeout if asked is None else asked
+    return min(wait, settings.generate.max_wait_seconds)
+
+
 @router.post("/get_results", response_model=GenerateResponse)
 async def get_results(body: GetResultsRequest, queue: QueueDep, settings: SettingsDep) -> GenerateResponse:
     """Results for these ids; long-polls until all are finished or `wait_seconds` pass."""
-    wait = settings.generate.response_timeout if body.wait_seconds is None else body.wait_seconds
+    wait = _wait_seconds(body.wait_seconds, settings)
     return GenerateResponse(results=await queue.wait_results(body.request_ids, wait))
 
 
@@ -103,7 +110,7 @@ async def upload(request: Request, queue: QueueDep, builder: BuilderDep, state: 
 @router.post("/download", response_model=DownloadResponse)
 async def download(body: DownloadRequest, queue: QueueDep, settings: SettingsDep) -> StreamingResponse:
     """The finished results of an uploaded batch so far; long-polls up to `wait_seconds` for the rest."""
-    wait = settings.generate.response_timeout if body.wait_seconds is None else body.wait_seconds
+    wait = _wait_seconds(body.wait_seconds, settings)
     total, finished = await queue.wait_batch(body.request_id, wait)
     file, size = await asyncio.to_thread(spool_download, queue.queue, body.request_id, total, finished)
     return StreamingResponse(
