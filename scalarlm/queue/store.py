@@ -100,17 +100,39 @@ class RequestQueue:
         self.path = Path(path)
         self.lease_seconds = lease_seconds
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # One connection shared by threads, serialised by a lock; other processes are kept out by
-        # SQLite's own locking (BEGIN IMMEDIATE + busy timeout).
-        self._conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
+        # Writes go through one connection shared by threads, serialised by a lock; other processes
+        # are kept out by SQLite's own locking (BEGIN IMMEDIATE + busy timeout). Reads use one
+        # connection per thread: in WAL mode they never wait for a writer (a 200k-prompt insert
+        # does not stall result polling).
+        self._conn = self._connect()
         self._lock = threading.Lock()
         self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=NORMAL")
-        self._conn.execute("PRAGMA busy_timeout=30000")
         self._conn.executescript(_SCHEMA)
+        self._local = threading.local()
+        self._readers: list[sqlite3.Connection] = []
+        self._readers_lock = threading.Lock()  # not the write lock: readers never wait for writers
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA busy_timeout=30000")
+        return conn
+
+    def _reader(self) -> sqlite3.Connection:
+        """This thread's read connection (opened on first use)."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = self._connect()
+            with self._readers_lock:
+                self._readers.append(conn)
+        return conn
 
     def close(self) -> None:
-        """Close the connection (the file keeps everything)."""
+        """Close every connection (the file keeps everything)."""
+        with self._readers_lock:
+            for conn in self._readers:
+                conn.close()
+            self._readers.clear()
         with self._lock:
             self._conn.close()
 
@@ -220,14 +242,14 @@ class RequestQueue:
     def get(self, request_ids: Sequence[str]) -> list[GenerateResult]:
         """Results (finished or not) in the order asked; an unknown id raises NotFound naming it."""
         found: dict[str, GenerateResult] = {}
-        with self._lock:
-            for start in range(0, len(request_ids), _IN_CHUNK):
-                chunk = list(request_ids[start : start + _IN_CHUNK])
-                marks = ",".join("?" * len(chunk))
-                for row in self._conn.execute(
-                    f"SELECT request_id, model, state, result, error FROM items WHERE request_id IN ({marks})", chunk
-                ):
-                    found[row[0]] = _result(*row)
+        conn = self._reader()
+        for start in range(0, len(request_ids), _IN_CHUNK):
+            chunk = list(request_ids[start : start + _IN_CHUNK])
+            marks = ",".join("?" * len(chunk))
+            for row in conn.execute(
+                f"SELECT request_id, model, state, result, error FROM items WHERE request_id IN ({marks})", chunk
+            ):
+                found[row[0]] = _result(*row)
         for request_id in request_ids:
             if request_id not in found:
                 raise NotFound(f"unknown request id {request_id!r}", param="request_ids")
@@ -236,22 +258,21 @@ class RequestQueue:
     def count_finished(self, request_ids: Sequence[str]) -> int:
         """How many of these request ids are completed or failed."""
         total = 0
-        with self._lock:
-            for start in range(0, len(request_ids), _IN_CHUNK):
-                chunk = list(request_ids[start : start + _IN_CHUNK])
-                marks = ",".join("?" * len(chunk))
-                total += self._conn.execute(
-                    f"SELECT COUNT(*) FROM items WHERE request_id IN ({marks}) AND state IN ('completed','failed')",
-                    chunk,
-                ).fetchone()[0]
+        conn = self._reader()
+        for start in range(0, len(request_ids), _IN_CHUNK):
+            chunk = list(request_ids[start : start + _IN_CHUNK])
+            marks = ",".join("?" * len(chunk))
+            total += conn.execute(
+                f"SELECT COUNT(*) FROM items WHERE request_id IN ({marks}) AND state IN ('completed','failed')",
+                chunk,
+            ).fetchone()[0]
         return total
 
     def batch_counts(self, batch_id: str) -> tuple[int, int]:
         """(total, finished) items of one batch; NotFound for an unknown batch id."""
-        with self._lock:
-            rows = self._conn.execute(
-                "SELECT state, COUNT(*) FROM items WHERE batch_id=? GROUP BY state", (batch_id,)
-            ).fetchall()
+        rows = self._reader().execute(
+            "SELECT state, COUNT(*) FROM items WHERE batch_id=? GROUP BY state", (batch_id,)
+        ).fetchall()
         if not rows:
             raise NotFound(f"unknown batch id {batch_id!r}", param="request_id")
         by_state = dict(rows)
@@ -259,11 +280,10 @@ class RequestQueue:
 
     def batch_progress(self, batch_id: str) -> BatchProgress:
         """A batch's size, finished count and every result so far (unfinished ones have no response)."""
-        with self._lock:
-            rows = self._conn.execute(
-                "SELECT request_id, model, state, result, error FROM items WHERE batch_id=? ORDER BY idx",
-                (batch_id,),
-            ).fetchall()
+        rows = self._reader().execute(
+            "SELECT request_id, model, state, result, error FROM items WHERE batch_id=? ORDER BY idx",
+            (batch_id,),
+        ).fetchall()
         if not rows:
             raise NotFound(f"unknown batch id {batch_id!r}", param="request_id")
         results = {row[0]: _result(*row) for row in rows}
@@ -276,50 +296,45 @@ class RequestQueue:
         memory. Request ids sort in prompt order, so this is a range scan of the primary key."""
         low = after if after is not None else f"{batch_id}_"
         # '+state' keeps SQLite on the primary key (a range scan) instead of the state index + a sort.
-        with self._lock:
-            rows = self._conn.execute(
-                "SELECT request_id, model, state, result, error FROM items "
-                "WHERE request_id > ? AND request_id < ? AND +state IN ('completed','failed') "
-                "ORDER BY request_id LIMIT ?",
-                (low, f"{batch_id}`", limit),  # '`' sorts right after '_'
-            ).fetchall()
+        rows = self._reader().execute(
+            "SELECT request_id, model, state, result, error FROM items "
+            "WHERE request_id > ? AND request_id < ? AND +state IN ('completed','failed') "
+            "ORDER BY request_id LIMIT ?",
+            (low, f"{batch_id}`", limit),  # '`' sorts right after '_'
+        ).fetchall()
         return [result_fields(*row) for row in rows]
 
     def counts(self) -> QueueCounts:
         """Items per state."""
-        with self._lock:
-            rows = self._conn.execute("SELECT state, COUNT(*) FROM items GROUP BY state").fetchall()
+        rows = self._reader().execute("SELECT state, COUNT(*) FROM items GROUP BY state").fetchall()
         return QueueCounts(**dict(rows))
 
     def throughput(self, window_seconds: float, now: float | None = None) -> Throughput:
         """Items and generated tokens finished in the last `window_seconds` (for requests/s, tokens/s)."""
         now = time.time() if now is None else now
-        with self._lock:
-            count, tokens, first = self._conn.execute(
-                "SELECT COUNT(*), COALESCE(SUM(tokens), 0), MIN(finished) FROM items "
-                "WHERE finished IS NOT NULL AND finished >= ?",
-                (now - window_seconds,),
-            ).fetchone()
+        count, tokens, first = self._reader().execute(
+            "SELECT COUNT(*), COALESCE(SUM(tokens), 0), MIN(finished) FROM items "
+            "WHERE finished IS NOT NULL AND finished >= ?",
+            (now - window_seconds,),
+        ).fetchone()
         seconds = max(now - first, 1.0) if first is not None else window_seconds
         return Throughput(count, tokens, seconds)
 
     def totals(self) -> tuple[int, int]:
         """(completed items, generated tokens) over everything still stored."""
-        with self._lock:
-            count, tokens = self._conn.execute(
-                "SELECT COUNT(*), COALESCE(SUM(tokens), 0) FROM items WHERE state='completed'"
-            ).fetchone()
+        count, tokens = self._reader().execute(
+            "SELECT COUNT(*), COALESCE(SUM(tokens), 0) FROM items WHERE state='completed'"
+        ).fetchone()
         return count, tokens
 
     # ---- internals -----------------------------------------------------------------------------
 
     def _has_leasable(self, now: float) -> bool:
-        with self._lock:
-            row = self._conn.execute(
-                "SELECT EXISTS(SELECT 1 FROM items WHERE state='queued') "
-                "OR EXISTS(SELECT 1 FROM items WHERE state='leased' AND lease_deadline < ?)",
-                (now,),
-            ).fetchone()
+        row = self._reader().execute(
+            "SELECT EXISTS(SELECT 1 FROM items WHERE state='queued') "
+            "OR EXISTS(SELECT 1 FROM items WHERE state='leased' AND lease_deadline < ?)",
+            (now,),
+        ).fetchone()
         return bool(row[0])
 
     def _expire(self, cur: sqlite3.Cursor, now: float) -> int:

@@ -202,3 +202,19 @@ def test_finished_pages_walk_a_batch_in_prompt_order(queue: RequestQueue) -> Non
     assert [r["request_id"] for r in seen] == [r for r in batch.request_ids if r != batch.request_ids[2]]
     assert seen[0]["response"] == "p0" and seen[0]["status"] == "completed" and seen[0]["completion_tokens"] == 3
     assert other.batch_id not in "".join(r["request_id"] for r in seen)
+
+
+def test_reads_do_not_wait_for_a_long_enqueue(queue: RequestQueue) -> None:
+    earlier = queue.enqueue(prompts(2), "m")
+    seen_during: list[int] = []
+
+    def slow_items():
+        for i in range(3):
+            # Mid-transaction reads answer at once, from the last committed state.
+            seen_during.append(queue.counts().queued)
+            assert queue.get(earlier.request_ids)[0].status == "queued"
+            yield {"prompt": f"late{i}"}
+
+    queue.enqueue(slow_items(), "m")
+    assert seen_during == [2, 2, 2]
+    assert queue.counts().queued == 5
