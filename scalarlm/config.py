@@ -63,6 +63,9 @@ class GenerateSettings(BaseModel):
     max_batch_prompts: int = Field(1_000_000, ge=1)
     max_lease_batch: int = Field(1024, ge=1)
     poll_interval: float = Field(0.02, gt=0)
+    # Finished results stay readable this long, then housekeeping deletes them (the queue file stays bounded).
+    result_retention_seconds: float = Field(7 * 86400.0, gt=0)
+    housekeeping_interval: float = Field(300.0, gt=0)
 
 
 class UploadSettings(BaseModel):

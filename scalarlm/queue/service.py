@@ -117,6 +117,18 @@ class QueueService:
         """Return leases held by a dead in-process worker to the queue."""
         return await asyncio.to_thread(self.queue.requeue_all_leased)
 
+    async def housekeeping(self, retention_seconds: float, interval: float) -> None:
+        """Run until cancelled: every `interval`, return expired leases and delete results older
+        than `retention_seconds` (so counts stay true without a worker polling, and the file bounded)."""
+        while True:
+            await asyncio.sleep(interval)
+            expired = await asyncio.to_thread(self.queue.expire_leases)
+            purged = await asyncio.to_thread(self.queue.purge_finished, time.time() - retention_seconds)
+            if expired:
+                self._pulse("_work_added")
+            if purged:
+                logger.info("deleted %d results older than %.0f s", purged, retention_seconds)
+
     def close(self) -> None:
         """Close the SQLite connection."""
         self.queue.close()

@@ -89,6 +89,7 @@ async def _running(state: ServerState, worker: EmbeddedWorker | None) -> AsyncIt
     )
     remote: RemoteBackend | None = None
     worker_started = False
+    housekeeping: asyncio.Task[None] | None = None
     try:
         state.prompts = await asyncio.to_thread(
             PromptChecker.from_model_dir, settings.model, settings.engine.max_model_len
@@ -104,10 +105,16 @@ async def _running(state: ServerState, worker: EmbeddedWorker | None) -> AsyncIt
             await remote.start()
             state.backend = remote
         state.backend_started = True
+        housekeeping = asyncio.create_task(
+            state.queue.housekeeping(settings.generate.result_retention_seconds, settings.generate.housekeeping_interval)
+        )
         state.metrics.bind(queue, state.backend.load if state.backend is not None else None)
         logger.info("control plane ready: queue %s, %s", settings.queue_path, _describe(worker, settings))
         yield
     finally:
+        if housekeeping is not None:
+            housekeeping.cancel()
+            await asyncio.gather(housekeeping, return_exceptions=True)
         state.backend = None
         if worker_started:
             await worker.stop()

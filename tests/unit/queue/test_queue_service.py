@@ -90,3 +90,19 @@ async def test_unknown_ids_raise_not_found(service: QueueService) -> None:
         await service.wait_results(["missing_000000000"], timeout=1)
     with pytest.raises(NotFound):
         await service.wait_batch("missing", timeout=1)
+
+
+async def test_housekeeping_expires_leases_and_deletes_old_results(tmp_path: Path) -> None:
+    svc = QueueService(RequestQueue(tmp_path / "q.sqlite", lease_seconds=0.05), idle_wait=0)
+    batch = await svc.enqueue([{"prompt": "a"}, {"prompt": "b"}], "m")
+    first = (await svc.get_work(GetWorkRequest(capacity=1))).requests
+    await svc.finish_work(FinishWorkRequest(results=[done(first[0].request_id, "A")]))
+    await svc.get_work(GetWorkRequest(capacity=1))  # leased, then its worker goes silent
+    task = asyncio.create_task(svc.housekeeping(retention_seconds=0.01, interval=0.1))
+    await asyncio.sleep(0.5)
+    task.cancel()
+    counts = await svc.counts()
+    assert (counts.queued, counts.leased, counts.completed) == (1, 0, 0)
+    with pytest.raises(NotFound):
+        await svc.get(batch.request_ids[:1])
+    svc.close()
