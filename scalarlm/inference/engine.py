@@ -7,6 +7,7 @@ from argparse import Namespace
 from dataclasses import dataclass
 
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.envs import enable_envs_cache
 from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
 from vllm.usage.usage_lib import UsageContext
 from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -80,5 +81,8 @@ def start_engine(settings: Settings) -> Engine:
         enable_log_requests=engine_args.enable_log_requests,
         disable_log_stats=engine_args.disable_log_stats,
     )
+    # As vLLM's engine core does after its start: freeze vLLM's env lookups, which its per-token
+    # bookkeeping would otherwise re-read from os.environ (~15% of the front end's CPU).
+    enable_envs_cache()
     logger.info("vLLM engine up: model %s served as %s", settings.model, settings.base_model_name)
     return Engine(llm=llm, args=args, load=tracker)

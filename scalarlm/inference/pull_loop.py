@@ -17,7 +17,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from scalarlm.config import Settings
 from scalarlm.inference.engine import Engine
 from scalarlm.inference.results import error_result, to_work_result
-from scalarlm.inference.sampling import to_engine_prompt, to_vllm_sampling
+from scalarlm.inference.sampling import SamplingCache, to_engine_prompt
 from scalarlm.inference.versions import ModelVersions
 from scalarlm.protocol.backend import WorkSource
 from scalarlm.protocol.generate import FinishWorkRequest, GetWorkRequest, WorkItem, WorkResult
@@ -59,6 +59,7 @@ class PullLoop:
         self.prefetch = max_seqs
         self.min_pull = max(1, max_seqs // 4)
         self._tokenizer: Any = None
+        self._sampling = SamplingCache(settings.generate.default_max_tokens)
         self._ids = itertools.count()
         self._tasks: set[asyncio.Task[None]] = set()
         self._results: list[WorkResult] = []
@@ -171,9 +172,10 @@ class PullLoop:
         result: WorkResult | None = None
         try:
             prompt = to_engine_prompt(item, self._tokenizer)
-            params = to_vllm_sampling(item.sampling, self.settings.generate.default_max_tokens)
+            params = self._sampling.get(item.sampling)
             final = None
-            async for output in self.engine.llm.generate(prompt, params, request_id=f"{item.request_id}#{next(self._ids)}"):
+            request_id = f"{item.request_id}#{next(self._ids)}"
+            async for output in self.engine.llm.generate(prompt, params, request_id=request_id):
                 final = output
             if final is None:
                 result = error_result(item, "the engine returned no output", version)

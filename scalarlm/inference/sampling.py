@@ -43,6 +43,29 @@ def to_vllm_sampling(params: SamplingParams, default_max_tokens: int) -> VllmSam
     return VllmSamplingParams(**kwargs)
 
 
+class SamplingCache:
+    """Reuses one `vllm.SamplingParams` per distinct protocol setting (a batch usually shares one).
+
+    vLLM treats a request's params as read-only (it clones them before changing anything), so one
+    object may serve many requests, as `LLM.generate` does with a single params object.
+    """
+
+    def __init__(self, default_max_tokens: int, max_entries: int = 256) -> None:
+        self.default_max_tokens = default_max_tokens
+        self.max_entries = max_entries
+        self._cache: dict[tuple[Any, ...], VllmSamplingParams] = {}
+
+    def get(self, params: SamplingParams) -> VllmSamplingParams:
+        """The vLLM params for `params`, built once per distinct value."""
+        key = tuple(tuple(v) if isinstance(v, list) else v for v in params.__dict__.values())
+        cached = self._cache.get(key)
+        if cached is None:
+            if len(self._cache) >= self.max_entries:
+                self._cache.clear()
+            cached = self._cache[key] = to_vllm_sampling(params, self.default_max_tokens)
+        return cached
+
+
 def to_engine_prompt(item: WorkItem, tokenizer: Any) -> dict[str, Any]:
     """The vLLM prompt for a work item: text as-is; chat messages rendered with the model's chat template."""
     if item.messages is not None:

@@ -74,3 +74,14 @@ def test_prompts_text_as_is_and_chat_through_the_model_template(tiny_model_dir) 
     rendered = tokenizer.decode(prompt["prompt_token_ids"])
     assert rendered.endswith("<|assistant|>\n")  # add_generation_prompt=True
     assert "<|user|>\nhi" in rendered
+
+
+def test_sampling_cache_reuses_params_per_distinct_setting() -> None:
+    from scalarlm.inference.sampling import SamplingCache
+
+    cache = SamplingCache(default_max_tokens=16)
+    a = cache.get(SamplingParams(temperature=0.5, stop=["x"]))
+    assert cache.get(SamplingParams(temperature=0.5, stop=["x"])) is a
+    b = cache.get(SamplingParams(temperature=0.5, stop=["y"]))
+    assert b is not a and b.stop == ["y"] and a.stop == ["x"]
+    assert cache.get(SamplingParams()).temperature == 0.0
