@@ -53,7 +53,9 @@ def test_sigkill_mid_training_then_restart(tiny_model_dir: Path, tmp_path: Path)
     home = tmp_path / "home"
     args = ["--role", "api", "--model", str(tiny_model_dir)]
     with serve(args, home) as (url, server, _):
-        files = {"file": ("dataset", dataset_archive(), "application/octet-stream"),
+        # The SDK ships an ml/ program beside the data; it must never run.
+        code = f"open({str(tmp_path / 'uploaded-code-ran')!r}, 'w').write('ran')\n".encode()
+        files = {"file": ("dataset", dataset_archive(extra_code=code), "application/octet-stream"),
                  "params": (None, json.dumps(TRAIN_ARGS), "application/json")}
         reply = httpx.post(f"{url}/v1/megatron/train", files=files, timeout=120)
         assert reply.status_code == 200, reply.text
@@ -93,5 +95,6 @@ def test_sigkill_mid_training_then_restart(tiny_model_dir: Path, tmp_path: Path)
     for step in listed:
         model = AutoModelForCausalLM.from_pretrained(job.step_dir(step), dtype="float32")
         assert model.config.num_hidden_layers >= 1
+    assert not (tmp_path / "uploaded-code-ran").exists() and not (job.root / "ml").exists()
     on_disk = sorted(p.name for p in job.checkpoints_dir.iterdir())
     print(f"\ncrash: checkpoints listed {listed}, on disk {on_disk}, reason {status['reason']!r}")
