@@ -26,7 +26,9 @@ lint: install
 	.venv/bin/lint-imports
 
 bench: install $(TINY)/config.json
-	$(PY) bench/run.py
+	@.venv/bin/python -c "import trl" 2>/dev/null || { .venv/bin/pip install -q -e ".[bench]" && \
+	  .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null; true; }
+	$(PY) -m bench.run
 
 clean:
 	rm -rf .scalarlm build models

@@ -1,0 +1,157 @@
+"""Serving benchmark (issue 2): queued /v1/generate vs raw vLLM, OpenAI endpoint vs vLLM's server, 200k submit.
+
+Every ratio is measured in this one run on this box, with the same model, prompts and engine settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.common import ENGINE_ENV, ROOT, Process, free_port, merge_results, python, rss_mb
+
+PROMPTS = [f"Question {i}: what is {i % 97} plus {i % 13}? Answer:" for i in range(512)]
+MAX_TOKENS = 32
+
+RAW_VLLM = r"""
+import json, sys, time
+from vllm import LLM, SamplingParams
+model, prompts, max_tokens, seqs = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512, kv_cache_memory_bytes=1 << 30,
+          max_num_seqs=seqs, seed=0)
+sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+llm.generate(prompts[:16], sp, use_tqdm=False)  # warm-up, as the server has had its own
+t = time.perf_counter()
+outs = llm.generate(prompts, sp, use_tqdm=False)
+dt = time.perf_counter() - t
+print(json.dumps({"seconds": dt, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}))
+"""
+
+
+def raw_vllm(model: str, seqs: int) -> float:
+    """Tokens/s of `vllm.LLM.generate` on PROMPTS in a fresh process."""
+    out = subprocess.run(
+        [python(), "-c", RAW_VLLM, model, json.dumps(PROMPTS), str(MAX_TOKENS), str(seqs)],
+        capture_output=True, text=True, env={**os.environ, **ENGINE_ENV}, check=True,
+    )
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    return r["tokens"] / r["seconds"]
+
+
+def serve(model: str, home: str, port: int, log: Path) -> Process:
+    argv = [python(), "-m", "scalarlm.cli", "serve", "--model", model, "--home", home, "--port", str(port)]
+    return Process(argv, f"http://127.0.0.1:{port}/v1/health", log=log)
+
+
+def queued_generate(url: str) -> float:
+    """Tokens/s through POST /v1/generate + long-polled get_results, same prompts and sampling."""
+    body = {"prompts": PROMPTS[:16], "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True, "wait_seconds": 60}
+    httpx.post(f"{url}/v1/generate", json=body, timeout=120).raise_for_status()  # warm-up
+    t = time.perf_counter()
+    r = httpx.post(f"{url}/v1/generate", json={**body, "prompts": PROMPTS, "wait_seconds": 0}, timeout=120)
+    r.raise_for_status()
+    ids = [x["request_id"] for x in r.json()["results"]]
+    while True:
+        res = httpx.post(f"{url}/v1/generate/get_results", json={"request_ids": ids, "wait_seconds": 30}, timeout=120).json()
+        if all(x["response"] is not None or x["error"] for x in res["results"]):
+            break
+    dt = time.perf_counter() - t
+    return sum(x["completion_tokens"] or 0 for x in res["results"]) / dt
+
+
+async def _openai_load(url: str, model: str, concurrency: int, total: int) -> float:
+    """Completion tokens/s of `total` /v1/completions requests with `concurrency` in flight."""
+    sem = asyncio.Semaphore(concurrency)
+    tokens = 0
+
+    async with httpx.AsyncClient(timeout=300) as client:
+
+        async def one(i: int) -> None:
+            nonlocal tokens
+            async with sem:
+                while True:
+                    r = await client.post(f"{url}/v1/completions", json={
+                        "model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": MAX_TOKENS,
+                        "temperature": 0.0, "ignore_eos": True})
+                    if r.status_code == 429:
+                        await asyncio.sleep(float(r.headers.get("retry-after", "0.1")))
+                        continue
+                    r.raise_for_status()
+                    tokens += r.json()["usage"]["completion_tokens"]
+                    return
+
+        await asyncio.gather(*(one(i) for i in range(8)))  # warm-up
+        tokens = 0
+        t = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(total)))
+        return tokens / (time.perf_counter() - t)
+
+
+def vllm_serve(model: str, name: str, port: int, log: Path) -> Process:
+    argv = [python(), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", name,
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+            "--max-model-len", "512", "--kv-cache-memory-bytes", str(1 << 30), "--seed", "0"]
+    return Process(argv, f"http://127.0.0.1:{port}/health", log=log)
+
+
+def submit_200k(url: str, pid: int, n: int) -> dict:
+    """Time to accept `n` prompts in one call, server RSS growth, and items not stored."""
+    prompts = [f"p{i}" for i in range(n)]
+    before = rss_mb(pid)
+    t = time.perf_counter()
+    r = httpx.post(f"{url}/v1/generate", json={"prompts": prompts, "max_tokens": 1, "wait_seconds": 0}, timeout=600)
+    accept = time.perf_counter() - t
+    r.raise_for_status()
+    ids = {x["request_id"] for x in r.json()["results"]}
+    grew = rss_mb(pid) - before
+    m = httpx.get(f"{url}/v1/generate/metrics", timeout=60).json()
+    stored = sum(m["queue"].values())
+    lost = n - min(stored, len(ids))
+    httpx.post(f"{url}/v1/generate/clear_queue", timeout=120)
+    return {"submit_200k_seconds": round(accept, 3), "submit_200k_rss_mb": round(grew, 1), "submit_200k_lost": lost}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(ROOT / "models" / "tiny"))
+    ap.add_argument("--big", type=int, default=200_000)
+    args = ap.parse_args()
+    model = str(Path(args.model).resolve())
+    name = Path(model).name
+    logs = ROOT / "build" / "bench"
+    logs.mkdir(parents=True, exist_ok=True)
+    figures: dict = {}
+
+    raw = raw_vllm(model, 256)
+    port = free_port()
+    with tempfile.TemporaryDirectory() as home, serve(model, home, port, logs / "scalarlm-serve.log") as srv:
+        url = f"http://127.0.0.1:{port}"
+        queued = queued_generate(url)
+        ours_openai = asyncio.run(_openai_load(url, name, 64, 256))
+        figures.update(submit_200k(url, srv.pid, args.big))
+    port = free_port()
+    with vllm_serve(model, name, port, logs / "vllm-serve.log"):
+        theirs_openai = asyncio.run(_openai_load(f"http://127.0.0.1:{port}", name, 64, 256))
+
+    figures["queue_vs_raw_vllm"] = round(queued / raw, 3)
+    figures["openai_vs_vllm_serve"] = round(ours_openai / theirs_openai, 3)
+    print(f"raw vllm.LLM.generate      {raw:9.0f} tok/s")
+    print(f"queued /v1/generate        {queued:9.0f} tok/s   ratio {figures['queue_vs_raw_vllm']} (target >= 0.95)")
+    print(f"vllm api_server /v1/compl. {theirs_openai:9.0f} tok/s")
+    print(f"scalarlm /v1/completions   {ours_openai:9.0f} tok/s   ratio {figures['openai_vs_vllm_serve']} (target >= 1.0)")
+    print(f"200k submit: {figures['submit_200k_seconds']} s (target <= 10), RSS +{figures['submit_200k_rss_mb']} MB "
+          f"(target <= 300), lost {figures['submit_200k_lost']} (target 0)")
+    merge_results(figures)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
