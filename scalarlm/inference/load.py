@@ -26,6 +26,8 @@ class LoadTracker:
         self.waiting = 0
         self.kv_cache_usage = 0.0
         self.in_flight = 0
+        self.swaps = 0
+        self.swap_seconds = 0.0
 
     def record_scheduler_stats(self, stats: Any) -> None:
         """Copy the (unstable, per vLLM) `SchedulerStats` fields we use; the only reader of them."""
@@ -34,6 +36,11 @@ class LoadTracker:
             getattr(stats, "num_skipped_waiting_reqs", 0)
         )
         self.kv_cache_usage = min(1.0, max(0.0, float(getattr(stats, "kv_cache_usage", 0.0))))
+
+    def record_swap(self, seconds: float) -> None:
+        """Count one full-weight reload that took `seconds`."""
+        self.swaps += 1
+        self.swap_seconds += seconds
 
     def add(self, sequences: int) -> None:
         """Count sequences submitted to the engine."""
@@ -51,13 +58,15 @@ class LoadTracker:
         """
         total = self.in_flight
         if total == 0:
-            return EngineLoad(max_num_seqs=self.max_num_seqs)
+            return EngineLoad(max_num_seqs=self.max_num_seqs, swaps=self.swaps, swap_seconds=self.swap_seconds)
         running = min(self.running, total, self.max_num_seqs)
         return EngineLoad(
             running=running,
             waiting=total - running,
             max_num_seqs=self.max_num_seqs,
             kv_cache_usage=self.kv_cache_usage,
+            swaps=self.swaps,
+            swap_seconds=self.swap_seconds,
         )
 
 

@@ -28,6 +28,7 @@ from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
 
 from scalarlm.config import Settings
 from scalarlm.inference.engine import Engine
+from scalarlm.inference.hot_swap import WeightsLease, WeightsManager
 from scalarlm.inference.versions import ModelVersions
 from scalarlm.protocol.backend import OpenAIReply, OpenAIRoute
 from scalarlm.protocol.errors import EngineUnavailable, InvalidRequest
@@ -68,13 +69,23 @@ class VllmOpenAIBackend:
         self.engine: Engine | None = None
         self.versions = ModelVersions(settings.base_model_name)
         self.state: State | None = None
+        self.weights: WeightsManager | None = None
 
-    async def attach(self, engine: Engine, versions: ModelVersions) -> None:
-        """Build vLLM's OpenAI serving objects for `engine` (exactly as its API server does)."""
+    async def attach(self, engine: Engine, versions: ModelVersions, weights: WeightsManager | None = None) -> None:
+        """Build vLLM's OpenAI serving objects for `engine` (exactly as its API server does).
+
+        `weights`: the hot-swap manager shared with the pull loop (interactive requests for a full-weight
+        model then wait for the same swaps as batch work); a private one when None.
+        """
         state = State()
         supported_tasks = await engine.llm.get_supported_tasks()
         await init_app_state(engine.llm, state, engine.args, supported_tasks)
-        self.versions = versions
+        weights = weights or WeightsManager(engine, self.settings, versions)
+        weights.serving_models = state.openai_serving_models
+        for name, lora in weights.registered_loras().items():
+            state.openai_serving_models.lora_requests[name] = lora
+        self.weights = weights
+        self.versions = weights.versions
         self.state = state
         self.engine = engine
 
@@ -123,13 +134,24 @@ class VllmOpenAIBackend:
 
     async def _generate(self, route: OpenAIRoute, request: Any) -> OpenAIReply:
         """Call vLLM's handler; vLLM's own error mapping turns exceptions into its ErrorResponse."""
-        assert self.engine is not None and self.state is not None
+        assert self.engine is not None and self.state is not None and self.weights is not None
         load = self.engine.load
         sequences = max(1, int(getattr(request, "n", 1) or 1))
-        model = request.model or self.settings.base_model_name
-        version = self.versions.get(model) or 0
-        fingerprint = self.versions.fingerprint(model)
+        base = self.settings.base_model_name
+        model = request.model or base
+        lease: WeightsLease | None = None
+        if self.weights.servable(model):  # unknown names get vLLM's own 404
+            try:
+                lease = await self.weights.acquire(model)
+            except InvalidRequest as exc:
+                return OpenAIReply(status_code=exc.status_code, body=exc.to_response().model_dump())
+        version = lease.version if lease is not None else 0
+        fingerprint = f"scalarlm-{model}-v{version}"
+        full_model = lease is not None and lease.lora is None and model != base
+        if full_model:  # vLLM knows only the base name; the engine holds this model's weights now
+            request.model = base
         streaming = bool(getattr(request, "stream", False))
+        handed_to_stream = False
         if not streaming:  # a stream counts itself once it is consumed (an unread one never runs)
             load.add(sequences)
         try:
@@ -143,10 +165,14 @@ class VllmOpenAIBackend:
                 body = result.model_dump()
                 body["system_fingerprint"] = fingerprint
                 body["scalarlm_version"] = version
+                if full_model:
+                    body["model"] = model
                 return OpenAIReply(status_code=200, body=body)
+            handed_to_stream = True
+            rename = (f'"model":{json.dumps(base)}', f'"model":{json.dumps(model)}') if full_model else None
             return OpenAIReply(
                 status_code=200,
-                stream=self._sse(result, fingerprint, version, sequences),
+                stream=self._sse(result, fingerprint, version, sequences, lease, rename),
                 headers={"content-type": "text/event-stream; charset=utf-8"},
             )
         except Exception as exc:  # vLLM's server maps any handler exception the same way (its safety net)
@@ -155,9 +181,17 @@ class VllmOpenAIBackend:
         finally:
             if not streaming:
                 load.done(sequences)
+            if lease is not None and not handed_to_stream:
+                self.weights.release(lease)
 
     async def _sse(
-        self, lines: AsyncIterator[str], fingerprint: str, version: int, sequences: int
+        self,
+        lines: AsyncIterator[str],
+        fingerprint: str,
+        version: int,
+        sequences: int,
+        lease: WeightsLease | None,
+        rename: tuple[str, str] | None,
     ) -> AsyncIterator[bytes]:
         """vLLM's SSE lines as bytes, each chunk object stamped with our fingerprint and version."""
         assert self.engine is not None
@@ -168,9 +202,13 @@ class VllmOpenAIBackend:
             async for line in lines:
                 if line.startswith('data: {"id"'):
                     line = stamp + line[7:]
+                    if rename is not None:
+                        line = line.replace(*rename, 1)
                 yield line.encode()
         finally:
             load.done(sequences)
+            if lease is not None and self.weights is not None:
+                self.weights.release(lease)
             aclose = getattr(lines, "aclose", None)
             if aclose is not None:
                 await aclose()

@@ -16,6 +16,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from scalarlm.config import Settings
 from scalarlm.inference.engine import Engine
+from scalarlm.inference.hot_swap import WeightsLease, WeightsManager
 from scalarlm.inference.results import error_result, to_work_result
 from scalarlm.inference.sampling import SamplingCache, to_engine_prompt
 from scalarlm.inference.versions import ModelVersions
@@ -47,12 +48,14 @@ class PullLoop:
         settings: Settings,
         worker_id: str,
         versions: ModelVersions | None = None,
+        weights: WeightsManager | None = None,
     ) -> None:
         self.engine = engine
         self.source = source
         self.settings = settings
         self.worker_id = worker_id
-        self.versions = versions or ModelVersions(settings.base_model_name)
+        self.weights = weights or WeightsManager(engine, settings, versions)
+        self.versions = self.weights.versions
         max_seqs = engine.load.max_num_seqs
         # Keep up to one more engine-full of work queued inside vLLM: short generations can free every
         # slot in one step, and the queued work fills them before the next pull returns.
@@ -144,6 +147,7 @@ class PullLoop:
                 await self._pause(self._wake, backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)
                 continue
+            self.weights.update_catalog(reply.models)
             backoff = poll
             for item in reply.requests:
                 self._submit(item)
@@ -157,25 +161,29 @@ class PullLoop:
 
     def _submit(self, item: WorkItem) -> None:
         """Start one item as its own engine request."""
-        version = self.versions.get(item.model)
-        if version is None:
+        if not self.weights.servable(item.model):
             self._post(error_result(item, f"model '{item.model}' is not served by this worker", 0))
             return
         sequences = item.sampling.n
         self.engine.load.add(sequences)
-        task = asyncio.create_task(self._run_item(item, version, sequences))
+        task = asyncio.create_task(self._run_item(item, sequences))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run_item(self, item: WorkItem, version: int, sequences: int) -> None:
-        """Generate one item; any failure of this item becomes its error result."""
+    async def _run_item(self, item: WorkItem, sequences: int) -> None:
+        """Generate one item on its model's newest weights; any failure of this item becomes its error result."""
         result: WorkResult | None = None
+        lease: WeightsLease | None = None
+        version = 0
         try:
+            lease = await self.weights.acquire(item.model)
+            version = lease.version
             prompt = to_engine_prompt(item, self._tokenizer)
             params = self._sampling.get(item.sampling)
             final = None
             request_id = f"{item.request_id}#{next(self._ids)}"
-            async for output in self.engine.llm.generate(prompt, params, request_id=request_id):
+            generation = self.engine.llm.generate(prompt, params, request_id=request_id, lora_request=lease.lora)
+            async for output in generation:
                 final = output
             if final is None:
                 result = error_result(item, "the engine returned no output", version)
@@ -186,6 +194,8 @@ class PullLoop:
         except Exception as exc:  # one bad item must not take down the loop
             result = error_result(item, _describe(exc), version)
         finally:
+            if lease is not None:
+                self.weights.release(lease)
             self.engine.load.done(sequences)
             self._slot_freed.set()
         if result is not None:

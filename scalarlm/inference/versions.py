@@ -18,6 +18,11 @@ class ModelVersions:
         """Record that `model` now serves weights `version`."""
         self._versions[model] = version
 
+    def forget(self, model: str) -> None:
+        """Record that `model`'s weights are no longer loaded (the base model is always served)."""
+        if model != self.base_model:
+            self._versions.pop(model, None)
+
     def loaded(self) -> dict[str, int]:
         """A copy of every served model's version (sent with each get_work)."""
         return dict(self._versions)

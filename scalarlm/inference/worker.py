@@ -8,6 +8,7 @@ import socket
 
 from scalarlm.config import Settings
 from scalarlm.inference.engine import Engine, start_engine
+from scalarlm.inference.hot_swap import WeightsManager
 from scalarlm.inference.openai_backend import VllmOpenAIBackend
 from scalarlm.inference.pull_loop import PullLoop
 from scalarlm.inference.versions import ModelVersions
@@ -38,8 +39,9 @@ class InProcessWorker:
         """Build the engine and the OpenAI serving objects, then start pulling from `source`."""
         if self.engine is None:
             self.engine = start_engine(self.settings)
-        await self.backend.attach(self.engine, self.versions)
-        self.pull_loop = PullLoop(self.engine, source, self.settings, self.worker_id, self.versions)
+        weights = WeightsManager(self.engine, self.settings, self.versions)
+        await self.backend.attach(self.engine, self.versions, weights)
+        self.pull_loop = PullLoop(self.engine, source, self.settings, self.worker_id, weights=weights)
         self.pull_loop.start()
         logger.info("worker %s pulling work", self.worker_id)
 

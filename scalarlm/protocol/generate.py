@@ -185,6 +185,9 @@ class EngineLoad(BaseModel):
     waiting: int = 0
     max_num_seqs: int = 1
     kv_cache_usage: float = Field(0.0, ge=0, le=1)
+    # Hot-swap metrics: full-weight reloads done by this worker and the seconds they took in total.
+    swaps: int = 0
+    swap_seconds: float = 0.0
 
     def free_slots(self) -> int:
         """Sequences the engine can start now without queueing inside itself."""

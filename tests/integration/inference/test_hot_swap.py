@@ -1,0 +1,159 @@
+"""Hot-swap on the shared real engine: full weights and LoRA adapters answer exactly as transformers/PEFT.
+
+Every test leaves the base weights loaded (later tests of the session assume them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from swap_checkpoints import transformers_greedy, write_full_checkpoint, write_lora_checkpoint
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+PROMPTS = ["Hello, how are you", "The capital of France is", "12 + 7 ="]
+TOKENS = 8
+RESULT_TIMEOUT = 240.0
+
+
+async def _completion(backend: Any, model: str, prompt: str) -> dict[str, Any]:
+    reply = await backend.openai(
+        "completions", {"model": model, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0.0,
+                        "ignore_eos": True, "return_token_ids": True},
+    )
+    assert reply.status_code == 200, reply.body
+    return reply.body
+
+
+async def _run_queue(engine: Any, settings: Any, path: Path, catalog: list[Any],
+                     batches: list[tuple[str, list[str]]]) -> tuple[list[list[Any]], Any]:
+    """Enqueue each (model, prompts) batch in order, run a PullLoop until done; results per batch, the loop."""
+    from scalarlm.inference.pull_loop import PullLoop
+    from scalarlm.queue.service import QueueService
+    from scalarlm.queue.store import RequestQueue
+
+    queue = RequestQueue(path, lease_seconds=settings.generate.lease_seconds)
+    service = QueueService(queue, idle_wait=0.05, models=lambda: catalog)
+    sampling = {"max_tokens": TOKENS, "ignore_eos": True}
+    enqueued = [await service.enqueue([{"prompt": p, "sampling": sampling} for p in prompts], model=model)
+                for model, prompts in batches]
+    loop = PullLoop(engine, service, settings, worker_id="swap-worker")
+    loop.start()
+    total = sum(b.count for b in enqueued)
+    try:
+        deadline = time.monotonic() + RESULT_TIMEOUT
+        while True:
+            counts = await service.counts()
+            if counts.completed + counts.failed >= total or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        results = [await service.get(b.request_ids) for b in enqueued]
+    finally:
+        await loop.stop()
+        await _restore_base(loop.weights, settings)
+        service.close()
+    return results, loop
+
+
+async def _restore_base(weights: Any, settings: Any) -> None:
+    """Swap the base weights back in (a no-op when they are loaded)."""
+    lease = await weights.acquire(settings.base_model_name)
+    weights.release(lease)
+
+
+def _tokens(result: Any) -> list[int]:
+    assert result.status == "completed", result.error
+    return list(result.outputs[0].token_ids)
+
+
+async def test_full_weight_swap_matches_transformers_and_swaps_back(
+    vllm_engine: Any, inference_settings: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from scalarlm.inference.openai_backend import VllmOpenAIBackend
+    from scalarlm.inference.versions import ModelVersions
+    from scalarlm.protocol.generate import ModelVersion
+
+    ckpt = write_full_checkpoint(tiny_model_dir, tmp_path / "ft-full" / "step-3", seed=11, step=3)
+    expected_ft = transformers_greedy(tiny_model_dir, PROMPTS, TOKENS, full=ckpt)
+    expected_base = transformers_greedy(tiny_model_dir, PROMPTS, TOKENS)
+    assert expected_ft != expected_base
+
+    backend = VllmOpenAIBackend(inference_settings)
+    await backend.attach(vllm_engine, ModelVersions(inference_settings.base_model_name))
+    backend.weights.update_catalog([ModelVersion(name="ft-full", version=3, kind="full", path=str(ckpt))])
+    swaps_before = backend.load().swaps
+    try:
+        before = [await _completion(backend, "tiny", p) for p in PROMPTS]
+        after = [await _completion(backend, "ft-full", p) for p in PROMPTS]
+        back = [await _completion(backend, "tiny", p) for p in PROMPTS]
+    finally:
+        await _restore_base(backend.weights, inference_settings)
+
+    assert [b["choices"][0]["token_ids"] for b in before] == expected_base
+    assert [b["choices"][0]["token_ids"] for b in after] == expected_ft
+    assert [b["choices"][0]["token_ids"] for b in back] == expected_base
+    assert all(b["model"] == "ft-full" and b["scalarlm_version"] == 3 for b in after)
+    assert all(b["system_fingerprint"] == "scalarlm-ft-full-v3" for b in after)
+    assert all(b["model"] == "tiny" and b["scalarlm_version"] == 0 for b in before + back)
+    load = backend.load()
+    assert load.swaps - swaps_before == 2 and load.swap_seconds > 0
+
+
+async def test_two_lora_adapters_in_a_mixed_batch_each_match_peft(
+    vllm_engine: Any, inference_settings: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from scalarlm.protocol.generate import ModelVersion
+
+    lora_a = write_lora_checkpoint(tiny_model_dir, tmp_path / "job-a" / "step-2", seed=1, step=2)
+    lora_b = write_lora_checkpoint(tiny_model_dir, tmp_path / "job-b" / "step-5", seed=2, step=5)
+    expected = {
+        "tiny": transformers_greedy(tiny_model_dir, PROMPTS, TOKENS),
+        "job-a": transformers_greedy(tiny_model_dir, PROMPTS, TOKENS, lora=lora_a),
+        "job-b": transformers_greedy(tiny_model_dir, PROMPTS, TOKENS, lora=lora_b),
+    }
+    assert len({str(v) for v in expected.values()}) == 3
+    catalog = [
+        ModelVersion(name="tiny", version=0, kind="base", path=str(tiny_model_dir)),
+        ModelVersion(name="job-a", version=2, kind="lora", path=str(lora_a)),
+        ModelVersion(name="job-b", version=5, kind="lora", path=str(lora_b)),
+    ]
+    # The queue leases one model per batch; the loop keeps several leases in the engine at once,
+    # so base and both adapters run in the same engine steps.
+    batches = [(m, PROMPTS) for m in ("job-a", "tiny", "job-b", "tiny", "job-a", "job-b")]
+    results, loop = await _run_queue(vllm_engine, inference_settings, tmp_path / "q.sqlite", catalog, batches)
+
+    for (model, _), batch in zip(batches, results):
+        assert [_tokens(r) for r in batch] == expected[model], model
+        assert all(r.model == model for r in batch)
+        assert all(r.version == {"tiny": 0, "job-a": 2, "job-b": 5}[model] for r in batch)
+    assert loop.versions.loaded() == {"tiny": 0, "job-a": 2, "job-b": 5}
+
+
+async def test_full_fine_tune_and_base_interleaved_through_the_queue(
+    vllm_engine: Any, inference_settings: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from scalarlm.protocol.generate import ModelVersion
+
+    ckpt = write_full_checkpoint(tiny_model_dir, tmp_path / "job-ft" / "step-7", seed=5, step=7)
+    expected = {
+        "tiny": transformers_greedy(tiny_model_dir, PROMPTS, TOKENS),
+        "job-ft": transformers_greedy(tiny_model_dir, PROMPTS, TOKENS, full=ckpt),
+    }
+    catalog = [
+        ModelVersion(name="tiny", version=0, kind="base", path=str(tiny_model_dir)),
+        ModelVersion(name="job-ft", version=7, kind="full", path=str(ckpt)),
+    ]
+    swaps_before = vllm_engine.load.swaps
+    batches = [(m, PROMPTS) for m in ("tiny", "job-ft", "tiny", "job-ft", "tiny")]
+    results, loop = await _run_queue(vllm_engine, inference_settings, tmp_path / "q.sqlite", catalog, batches)
+
+    for (model, _), batch in zip(batches, results):
+        assert [_tokens(r) for r in batch] == expected[model], model
+        assert all(r.model == model and r.version == (7 if model == "job-ft" else 0) for r in batch)
+    swaps = vllm_engine.load.swaps - swaps_before
+    assert 2 <= swaps <= 4  # at least there and back; the queue groups by model, so never one per request
+    assert vllm_engine.load.snapshot().swaps == vllm_engine.load.swaps
