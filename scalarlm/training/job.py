@@ -93,7 +93,7 @@ def run_job(job_dir: Path, environ: Mapping[str, str]) -> int:
     main = env.rank == 0
     try:
         config = job.read_config()
-        rows = read_rows(job.dataset_path)
+        rows = [] if config.session else read_rows(job.dataset_path)
     except (ScalarLMError, ValidationError, OSError, ValueError) as e:
         return _fail(job, f"{type(e).__name__}: {e}") if main else 1
     args = config.train_args
@@ -105,6 +105,7 @@ def run_job(job_dir: Path, environ: Mapping[str, str]) -> int:
 
     from scalarlm.training.loop import Trainer, run
     from scalarlm.training.parallel import init_parallel, shutdown_parallel
+    from scalarlm.training.session_loop import run_session
 
     torch.manual_seed(args.seed)
     trainer = None
@@ -127,7 +128,8 @@ def run_job(job_dir: Path, environ: Mapping[str, str]) -> int:
                             metrics["tokens_per_second"])
 
         cancel_file = job.root / CANCEL_FILE
-        outcome = run(trainer, lambda: stop.requested() or (main and cancel_file.exists()), on_step)
+        loop = run_session if config.session else run
+        outcome = loop(trainer, lambda: stop.requested() or (main and cancel_file.exists()), on_step)
     except Exception as e:  # the entry point turns any failure into FAILED with its reason
         logger.exception("training failed")
         step = trainer.step if trainer is not None else None

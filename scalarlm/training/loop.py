@@ -18,13 +18,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scalarlm.checkpoint import JobDir
+from scalarlm.checkpoint import JobDir, publish_step
 from scalarlm.protocol.training import CheckpointManifest, TrainArgs, TrainJobConfig
 from scalarlm.training import hf_io
 from scalarlm.training.convert import hf_to_mcore, mark_tensor_parallel
-from scalarlm.training.data import BlockStream, DataStats, encode_rows, step_batch
+from scalarlm.training import lora
+from scalarlm.training.data import BlockStream, DataStats, StepBatch, encode_rows, step_batch
 from scalarlm.training.export import publish_checkpoint
 from scalarlm.training.losses import sft_loss, token_losses
+from scalarlm.training.notify import notify_published
 from scalarlm.training.model import arch_from_hf_config, build_gpt_model
 from scalarlm.training.optim import build_optimizer, wrap_data_parallel
 from scalarlm.training.parallel import Parallel
@@ -37,8 +39,6 @@ logger = logging.getLogger(__name__)
 
 def _warn_unimplemented(args: TrainArgs) -> None:
     """Say which requested options this trainer does not honour yet (they are accepted for compatibility)."""
-    if args.adapter_type == "lora":
-        logger.warning("LoRA training is not implemented yet: training and publishing full weights")
     if args.gradient_checkpointing:
         logger.warning("gradient_checkpointing is not implemented yet: ignored")
     if args.dtype == "float16":
@@ -60,14 +60,26 @@ class Trainer:
         self.bf16 = par.on_gpu and args.dtype != "float32"
         _warn_unimplemented(args)
 
-        tokenizer = AutoTokenizer.from_pretrained(self.base)
+        self.tokenizer = tokenizer = AutoTokenizer.from_pretrained(self.base)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.max_len = args.max_token_block_size or args.max_seq_len
-        docs, self.data_stats = encode_rows(tokenizer, rows, self.max_len)
-        self.stream = BlockStream(docs, self.max_len, args.pack, args.shuffle, args.seed)
         self.global_batch = args.batch_size * args.gradient_accumulation_steps * par.dp_size
+        self.data_stats = DataStats()
+        self.stream: BlockStream | None = None
+        if not config.session:
+            docs, self.data_stats = encode_rows(tokenizer, rows, self.max_len)
+            self.stream = BlockStream(docs, self.max_len, args.pack, args.shuffle, args.seed)
 
+        self.lora = args.adapter_type == "lora"
         self.model = self._build_model()
+        if self.lora:
+            lora.attach_lora(self.model, self.arch, args.lora_config, par.tp_rank, par.tp_size, args.seed)
+        # The KL reference of full-weight training is a frozen copy of the base (LoRA: adapters disabled).
+        self.ref_model = None
+        if not self.lora and args.loss != "sft" and args.kl_coef > 0:
+            self.ref_model = self._build_model().eval()
+            for p in self.ref_model.parameters():
+                p.requires_grad_(False)
         self.ddp = wrap_data_parallel(self.model if not self.bf16 else self._half(self.model), par)
         self.optimizer = build_optimizer(self.ddp, args, par, self.bf16)
         self.step = 0
@@ -101,30 +113,50 @@ class Trainer:
         payload = load_state(saved, self.par, self.model, self.optimizer)
         self.step = int(payload["step"])
         self.tokens_seen = int(payload.get("tokens_seen", 0))
-        self.stream.load_state_dict(payload["data"])
+        if self.stream is not None:
+            self.stream.load_state_dict(payload["data"])
         return True
 
     def save(self) -> None:
         """Collectively save resume state after `self.step` completed steps."""
-        extra = {"data": self.stream.state_dict(), "tokens_seen": self.tokens_seen}
+        extra = {"data": self.stream.state_dict() if self.stream else {}, "tokens_seen": self.tokens_seen}
         save_state(self.job.state_dir, self.step, self.par, self.model, self.optimizer, extra)
 
     def publish(self, loss: float | None) -> None:
-        """Collectively publish `checkpoints/step-<step>/` (LoRA is not trained yet: always full weights)."""
+        """Collectively publish `checkpoints/step-<step>/` (full weights or a PEFT adapter); rank 0 notifies."""
         manifest = CheckpointManifest(
             job_id=self.config.job_id,
             step=self.step,
             base_model=str(self.config.base_model),
-            kind="full",
+            kind="lora" if self.lora else "full",
             loss=loss,
             extra={"adapter_type_requested": self.args.adapter_type, "dtype": "bfloat16" if self.bf16 else "float32"},
         )
-        publish_checkpoint(self.job, self.model, self.arch, self.par, self.base, self.base_config, manifest)
+        if self.lora:
+            self._publish_adapter(manifest)
+        else:
+            publish_checkpoint(self.job, self.model, self.arch, self.par, self.base, self.base_config, manifest)
+        if self.par.is_main:
+            notify_published(self.config.job_id, self.step)
+
+    def _publish_adapter(self, manifest: CheckpointManifest) -> None:
+        """Rank 0 writes the adapter (every rank holds the full, identical A/B) with the tokenizer files."""
+        if self.par.is_main:
+            state = lora.peft_state(self.model)
+            config = lora.peft_config(self.args.lora_config, str(self.config.base_model))
+
+            def write(dest: Path) -> None:
+                lora.write_adapter(dest, state, config)
+                hf_io.copy_support_files(self.base, dest)
+
+            path = publish_step(self.job, manifest, write)
+            logger.info("published adapter %s", path)
+        dist.barrier()
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over the next global batch; returns its metrics row."""
-        start = time.perf_counter()
         args, par = self.args, self.par
+        assert self.stream is not None
         batch = step_batch(
             self.stream.take(self.global_batch),
             args.batch_size,
@@ -133,6 +165,19 @@ class Trainer:
             par.dp_rank,
             self.pad_id,
         )
+        return self.sft_step(batch)
+
+    def optimizer_step(self) -> tuple[float, float]:
+        """Sum LoRA grads over TP, then step the optimizer at this step's LR; returns (lr, grad norm)."""
+        if self.lora:
+            lora.allreduce_lora_grads(self.model, self.par.tp_group, self.par.tp_size)
+        lr = lr_at(self.step, self.args)
+        return lr, self.optimizer.step(lr)
+
+    def sft_step(self, batch: StepBatch) -> dict[str, Any]:
+        """One optimizer step of the SFT loss over this rank's share of `batch`; returns its metrics row."""
+        start = time.perf_counter()
+        par = self.par
         self.ddp.train()
         self.optimizer.zero_grad()
         loss_sum = torch.zeros((), dtype=torch.float64, device=par.device)
@@ -141,8 +186,7 @@ class Trainer:
             loss = sft_loss(token_losses(self.ddp, micro), micro.loss_mask, batch.global_loss_tokens)
             loss.backward()
             loss_sum += loss.detach().double()
-        lr = lr_at(self.step, args)
-        grad_norm = self.optimizer.step(lr)
+        lr, grad_norm = self.optimizer_step()
         if par.dp_size > 1:
             dist.all_reduce(loss_sum, group=par.dp_group)
         self.step += 1
@@ -157,7 +201,7 @@ class Trainer:
             "loss_tokens": batch.global_loss_tokens,
             "tokens_per_second": batch.global_tokens / elapsed if elapsed > 0 else 0.0,
             "step_seconds": elapsed,
-            "epoch": self.stream.epoch,
+            "epoch": self.stream.epoch if self.stream else 0,
             "tokens_seen": self.tokens_seen,
             "time": time.time(),
         }

@@ -1,0 +1,214 @@
+"""GRPO and Dr. GRPO: group-normalised advantages and the clipped importance-ratio objective, per token.
+
+* Advantages: rows are grouped by `group` (default: the prompt text, or the rendered messages).
+  ``grpo``: ``(r - mean_g) / (std_g + eps)`` (unbiased std, as TRL); ``dr_grpo``: ``r - mean_g``.
+* Objective per completion token: ``-min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) + kl_coef * k3`` with
+  ``ratio = exp(logp - logp_sampling)`` and ``k3 = exp(ref - logp) - (ref - logp) - 1``.
+* Normalisation is a per-token weight: ``grpo`` averages tokens within a sequence and then sequences
+  (``1 / (len_i * N)``); ``dr_grpo`` divides by a constant (``1 / (max_len * N)``, TRL's ``loss_type="dr_grpo"``).
+  The weights of the whole (global) batch sum the step's loss; micro-batches and DP ranks just add up.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.protocol.training import RLRow
+from scalarlm.training.data import Block, Document, MicroBatch, collate, encode_row
+from scalarlm.training.rows import Row
+
+ADV_EPS = 1e-4
+
+
+def group_key(row: RLRow) -> str:
+    """The row's group: its `group`, else its prompt (or messages) text."""
+    if row.group is not None:
+        return row.group
+    if row.prompt is not None:
+        return row.prompt
+    return json.dumps(row.messages, sort_keys=True)
+
+
+def advantages(rewards: Sequence[float], groups: Sequence[str], loss: str) -> list[float]:
+    """Group-normalised advantages (`loss` "grpo" divides by the group's std, "dr_grpo" does not)."""
+    members: dict[str, list[int]] = defaultdict(list)
+    for i, g in enumerate(groups):
+        members[g].append(i)
+    out = [0.0] * len(rewards)
+    for idx in members.values():
+        r = torch.tensor([rewards[i] for i in idx], dtype=torch.float64)
+        centred = r - r.mean()
+        if loss == "grpo":
+            std = r.std() if len(idx) > 1 else torch.zeros((), dtype=torch.float64)
+            centred = centred / (std + ADV_EPS)
+        for i, a in zip(idx, centred.tolist()):
+            out[i] = a
+    return out
+
+
+@dataclass(frozen=True)
+class RLDoc:
+    """One scored completion as tokens: completion targets, its advantage and sampling logprobs (or None)."""
+
+    doc: Document
+    advantage: float
+    reward: float
+    old_logprobs: tuple[float, ...] | None
+
+
+def parse_rl_rows(rows: Sequence[dict[str, Any]]) -> list[RLRow]:
+    """Validate RL rows; InvalidRequest naming the first bad one."""
+    out = []
+    for i, obj in enumerate(rows):
+        try:
+            row = RLRow.model_validate(obj)
+        except ValueError as e:
+            raise InvalidRequest(f"row {i}: {e}", param="rows") from None
+        if (row.prompt is None) == (row.messages is None):
+            raise InvalidRequest(f"row {i}: give exactly one of 'prompt' or 'messages'", param="rows")
+        out.append(row)
+    if not out:
+        raise InvalidRequest("no rows", param="rows")
+    return out
+
+
+def _prompt_ids(tokenizer: Any, row: RLRow) -> list[int]:
+    if row.messages is not None:
+        text = tokenizer.apply_chat_template(row.messages, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(row.prompt or "", add_special_tokens=True)["input_ids"])
+
+
+def encode_rl_rows(tokenizer: Any, rows: Sequence[RLRow], loss: str, max_len: int) -> tuple[list[RLDoc], dict[str, Any]]:
+    """Tokenize scored rows (prompt + completion [+ EOS]) with advantages; stats for metrics.
+
+    Sampling logprobs must cover the completion tokens: with one more logprob than completion tokens the
+    sampled EOS is appended; without logprobs EOS is appended (the model learns to stop); a count that matches
+    neither means the completion re-tokenized differently and the row trains on-policy (ratio 1), counted.
+    """
+    adv = advantages([r.reward for r in rows], [group_key(r) for r in rows], loss)
+    docs, mismatched, truncated = [], 0, 0
+    for row, a in zip(rows, adv):
+        prompt = _prompt_ids(tokenizer, row)
+        completion = list(tokenizer(row.completion, add_special_tokens=False)["input_ids"])
+        old = row.logprobs
+        if old is None or len(old) == len(completion) + 1:
+            completion.append(tokenizer.eos_token_id)
+        elif len(old) != len(completion):
+            mismatched += 1
+            old = None
+        tokens = prompt + completion
+        targets = [False] * len(prompt) + [True] * len(completion)
+        if len(tokens) > max_len:
+            truncated += 1
+            tokens, targets = tokens[:max_len], targets[:max_len]
+            if old is not None:
+                old = old[: max(0, sum(targets))]
+        if not any(targets[1:]):
+            continue
+        docs.append(RLDoc(Document(tuple(tokens), tuple(targets)), a, row.reward, tuple(old) if old else None))
+    if not docs:
+        raise InvalidRequest("no trainable rows (every completion was empty or truncated away)", param="rows")
+    rewards = torch.tensor([r.reward for r in rows], dtype=torch.float64)
+    advs = torch.tensor(adv, dtype=torch.float64)
+    stats = {
+        "rows": len(rows),
+        "groups": len({group_key(r) for r in rows}),
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()) if len(rows) > 1 else 0.0,
+        "advantage_mean": float(advs.mean()),
+        "advantage_std": float(advs.std()) if len(rows) > 1 else 0.0,
+        "advantage_abs_max": float(advs.abs().max()),
+        "logprobs_mismatched_rows": mismatched,
+        "truncated_rows": truncated,
+    }
+    return docs, stats
+
+
+@dataclass
+class RLMicroBatch:
+    """A micro-batch plus per-target-position (aligned with labels) advantage, sampling logprob and weight."""
+
+    batch: MicroBatch
+    advantages: Tensor
+    old_logprobs: Tensor
+    has_old: Tensor
+    weights: Tensor
+
+    def to(self, device: torch.device) -> "RLMicroBatch":
+        return RLMicroBatch(
+            self.batch.to(device), *(t.to(device) for t in (self.advantages, self.old_logprobs, self.has_old, self.weights))
+        )
+
+
+def token_weights(docs: Sequence[RLDoc], loss: str) -> list[float]:
+    """Per-document weight of each of its completion tokens (see module docstring)."""
+    n = len(docs)
+    lengths = [sum(d.doc.targets[1:]) for d in docs]
+    if loss == "dr_grpo":
+        longest = max(lengths)
+        return [1.0 / (longest * n)] * n
+    return [1.0 / (length * n) for length in lengths]
+
+
+def rl_micro_batches(docs: Sequence[RLDoc], weights: Sequence[float], rows_per_micro: int, pad_id: int) -> list[RLMicroBatch]:
+    """One document per block, `rows_per_micro` blocks per micro-batch (all of a step: groups stay together)."""
+    out = []
+    for start in range(0, len(docs), rows_per_micro):
+        chunk = list(range(start, min(start + rows_per_micro, len(docs))))
+        blocks = [Block(docs[i].doc.tokens, docs[i].doc.targets, (0,)) for i in chunk]
+        mb = collate(blocks, pad_id)
+        shape = mb.labels.shape
+        adv, old, has_old, w = (torch.zeros(shape) for _ in range(4))
+        for b, i in enumerate(chunk):
+            d = docs[i]
+            positions = [p for p in range(1, len(d.doc.tokens)) if d.doc.targets[p]]
+            for j, p in enumerate(positions):
+                adv[b, p - 1] = d.advantage
+                w[b, p - 1] = weights[i]
+                if d.old_logprobs is not None:
+                    # old_logprobs cover every completion token; the first target may be position 0 only if the
+                    # prompt was empty (never predicted), so align from the end.
+                    k = len(d.old_logprobs) - len(positions) + j
+                    if 0 <= k < len(d.old_logprobs):
+                        old[b, p - 1] = d.old_logprobs[k]
+                        has_old[b, p - 1] = 1.0
+        out.append(RLMicroBatch(mb, adv, old, has_old, w))
+    return out
+
+
+def grpo_objective(
+    logp: Tensor,
+    old_logp: Tensor,
+    has_old: Tensor,
+    adv: Tensor,
+    weights: Tensor,
+    mask: Tensor,
+    clip_eps: float,
+    kl_coef: float = 0.0,
+    ref_logp: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The weighted sum of the per-token clipped objective (+ KL) and summed token stats (clipped, kl)."""
+    old = torch.where(has_old > 0, old_logp, logp.detach())
+    ratio = torch.exp(logp - old)
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    stats: dict[str, Tensor] = {}
+    is_clipped = ((ratio * adv) > (clipped * adv)).float() * mask
+    stats["clipped_tokens"] = is_clipped.sum().detach()
+    stats["tokens"] = mask.sum().detach()
+    if ref_logp is not None:
+        diff = ref_logp - logp
+        kl = torch.exp(diff) - diff - 1
+        stats["kl_sum"] = (kl * mask).sum().detach()
+        if kl_coef > 0:
+            per_token = per_token + kl_coef * kl
+    return (per_token * weights * mask).sum(), stats

@@ -1,0 +1,250 @@
+"""LoRA on the megatron model, named and exported the way PEFT names Hugging Face modules.
+
+Megatron fuses q/k/v into `linear_qkv` and gate/up into `linear_fc1`; LoRA is defined per HF projection
+(``q_proj``, ``k_proj``, ... ``down_proj``) as a low-rank delta ``scale * B @ A @ x`` added to the fused output in
+megatron's layout, so the exported A/B are exactly PEFT's ``lora_A`` / ``lora_B`` of the HF module.
+
+Tensor parallelism (kept simple): every rank holds the full A and B (replicated). Column-parallel layers compute
+the full delta and keep this rank's slice; row-parallel layers multiply their input shard by A's matching columns and
+all-reduce the rank-r product. The gradients of A (all layers) and of B (column layers) are then partial sums per TP
+rank and are all-reduced over TP before the optimizer step (`allreduce_lora_grads`); row-parallel B gradients are
+already identical on every TP rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.protocol.training import LoraConfig
+from scalarlm.training.model import ModelArch
+
+ATTN = ("q_proj", "k_proj", "v_proj")
+MLP_IN = ("gate_proj", "up_proj")
+# megatron linear -> (HF module path inside a layer, the HF projections it fuses, column or row parallel)
+LINEARS = {
+    "self_attention.linear_qkv": ("self_attn", ATTN, "column"),
+    "self_attention.linear_proj": ("self_attn", ("o_proj",), "row"),
+    "mlp.linear_fc1": ("mlp", MLP_IN, "column"),
+    "mlp.linear_fc2": ("mlp", ("down_proj",), "row"),
+}
+ALL_TARGETS = frozenset(p for _, projs, _ in LINEARS.values() for p in projs)
+
+
+class LoraPair(nn.Module):
+    """One HF projection's adapter: A [r, in] (PEFT's kaiming init) and B [out, r] (zeros)."""
+
+    def __init__(self, r: int, fan_in: int, fan_out: int, generator: torch.Generator) -> None:
+        super().__init__()
+        a = torch.empty(r, fan_in)
+        bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform_(a=sqrt(5)) as in PEFT / nn.Linear
+        a.uniform_(-bound, bound, generator=generator)
+        self.A = nn.Parameter(a)
+        self.B = nn.Parameter(torch.zeros(fan_out, r))
+
+
+class LoraSet(nn.Module):
+    """The adapters of one megatron linear (one per fused HF projection it holds that is targeted)."""
+
+    def __init__(self, pairs: dict[str, LoraPair], kind: str, scale: float, dropout: float) -> None:
+        super().__init__()
+        self.pairs = nn.ModuleDict(pairs)
+        self.kind = kind
+        self.scale = scale
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.enabled = True
+
+
+def _proj_shapes(arch: ModelArch) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each HF projection."""
+    h, d = arch.hidden_size, arch.head_dim
+    return {
+        "q_proj": (h, arch.num_heads * d),
+        "k_proj": (h, arch.num_kv_heads * d),
+        "v_proj": (h, arch.num_kv_heads * d),
+        "o_proj": (arch.num_heads * d, h),
+        "gate_proj": (h, arch.ffn_hidden_size),
+        "up_proj": (h, arch.ffn_hidden_size),
+        "down_proj": (arch.ffn_hidden_size, h),
+    }
+
+
+def _delta(lora: LoraSet, name: str, x: Tensor) -> Tensor:
+    pair = lora.pairs[name]
+    return (x @ pair.A.t().to(x.dtype)) @ pair.B.t().to(x.dtype) * lora.scale
+
+
+def _column_delta(lora: LoraSet, projs: tuple[str, ...], x: Tensor, out: Tensor, arch: ModelArch, tp: tuple[int, int]) -> Tensor:
+    """This TP rank's slice of the fused delta, in megatron's layout ([q_g; k_g; v_g] groups or [gate_r; up_r])."""
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    rank, size = tp
+    x = copy_to_tensor_model_parallel_region(lora.dropout(x))  # backward: sum the input grads of all TP ranks
+    shapes = _proj_shapes(arch)
+    lead = x.shape[:-1]
+    parts = [
+        _delta(lora, p, x) if p in lora.pairs else x.new_zeros(*lead, shapes[p][1])
+        for p in projs
+    ]
+    if projs == ATTN:
+        g, d = arch.num_kv_heads, arch.head_dim
+        q, k, v = parts
+        fused = torch.cat(
+            [q.reshape(*lead, g, arch.heads_per_group * d), k.reshape(*lead, g, d), v.reshape(*lead, g, d)], dim=-1
+        ).reshape(*lead, -1)
+        return torch.chunk(fused, size, dim=-1)[rank]
+    return torch.cat([torch.chunk(part, size, dim=-1)[rank] for part in parts], dim=-1)
+
+
+def _row_delta(lora: LoraSet, proj: str, x: Tensor, tp: tuple[int, int]) -> Tensor:
+    """The full delta of a row-parallel linear from this rank's input shard (all-reduced over TP)."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    rank, size = tp
+    pair = lora.pairs[proj]
+    a = torch.chunk(pair.A, size, dim=1)[rank].to(x.dtype)
+    low = reduce_from_tensor_model_parallel_region(lora.dropout(x) @ a.t())
+    return low @ pair.B.t().to(x.dtype) * lora.scale
+
+
+def _make_hook(lora: LoraSet, projs: tuple[str, ...], kind: str, arch: ModelArch, tp: tuple[int, int]):
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if not lora.enabled:
+            return output
+        x = args[0] if args else kwargs["input_"]
+        out, bias = output
+        if kind == "column":
+            delta = _column_delta(lora, projs, x, out, arch, tp)
+        else:
+            delta = _row_delta(lora, projs[0], x, tp)
+        return out + delta.to(out.dtype), bias
+
+    return hook
+
+
+def check_targets(config: LoraConfig) -> list[str]:
+    """The targeted HF projections; InvalidRequest for names this trainer cannot place."""
+    unknown = sorted(set(config.target_modules) - ALL_TARGETS)
+    if unknown or not config.target_modules:
+        raise InvalidRequest(
+            f"lora_config.target_modules {unknown or '[]'} not supported; choose from {sorted(ALL_TARGETS)}",
+            param="train_args",
+        )
+    return [p for p in _proj_shapes_order() if p in config.target_modules]
+
+
+def _proj_shapes_order() -> list[str]:
+    return ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def attach_lora(model: nn.Module, arch: ModelArch, config: LoraConfig, tp_rank: int, tp_size: int, seed: int) -> list[LoraSet]:
+    """Freeze `model` and add LoRA adapters (identical on every TP rank: seeded init) to the targeted linears."""
+    targets = set(check_targets(config))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    gen = torch.Generator().manual_seed(seed + 1_234_567)
+    shapes = _proj_shapes(arch)
+    sets = []
+    layers = model.decoder.layers
+    for layer in layers:
+        for path, (_, projs, kind) in LINEARS.items():
+            chosen = [p for p in projs if p in targets]
+            if not chosen:
+                continue
+            linear = layer.get_submodule(path)
+            pairs = {p: LoraPair(config.r, shapes[p][0], shapes[p][1], gen) for p in chosen}
+            lora = LoraSet(pairs, kind, config.alpha / config.r, config.dropout)
+            device = next(linear.parameters()).device
+            lora.to(device)
+            linear.lora = lora
+            linear.register_forward_hook(_make_hook(lora, projs, kind, arch, (tp_rank, tp_size)), with_kwargs=True)
+            sets.append(lora)
+    return sets
+
+
+def lora_sets(model: nn.Module) -> list[LoraSet]:
+    return [m for m in model.modules() if isinstance(m, LoraSet)]
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Run the base model (the frozen reference for KL) inside the block."""
+    sets = lora_sets(model)
+    for s in sets:
+        s.enabled = False
+    try:
+        yield
+    finally:
+        for s in sets:
+            s.enabled = True
+
+
+def allreduce_lora_grads(model: nn.Module, group: dist.ProcessGroup, tp_size: int) -> None:
+    """Sum the partial A/B gradients over TP ranks (row-parallel B grads are already complete)."""
+    if tp_size == 1:
+        return
+    for lora in lora_sets(model):
+        for pair in lora.pairs.values():
+            params = [pair.A] if lora.kind == "row" else [pair.A, pair.B]
+            for p in params:
+                grad = getattr(p, "main_grad", None)
+                if grad is None:
+                    grad = p.grad
+                if grad is not None:
+                    dist.all_reduce(grad, group=group)
+
+
+def peft_state(model: nn.Module) -> dict[str, Tensor]:
+    """The adapters as PEFT's adapter_model.safetensors keys (fp32 copies on CPU)."""
+    out: dict[str, Tensor] = {}
+    for i, layer in enumerate(model.decoder.layers):
+        for path, (hf_module, projs, _) in LINEARS.items():
+            lora = getattr(layer.get_submodule(path), "lora", None)
+            if lora is None:
+                continue
+            for proj, pair in lora.pairs.items():
+                key = f"base_model.model.model.layers.{i}.{hf_module}.{proj}"
+                out[f"{key}.lora_A.weight"] = pair.A.detach().float().cpu().contiguous()
+                out[f"{key}.lora_B.weight"] = pair.B.detach().float().cpu().contiguous()
+    return out
+
+
+def peft_config(config: LoraConfig, base_model: str) -> dict[str, Any]:
+    """adapter_config.json for PEFT and vLLM."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": config.r,
+        "lora_alpha": config.alpha,
+        "lora_dropout": config.dropout,
+        "target_modules": check_targets(config),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+
+
+def write_adapter(dest: Path, state: dict[str, Tensor], config: dict[str, Any]) -> None:
+    """Write adapter_model.safetensors and adapter_config.json into `dest`."""
+    from safetensors.torch import save_file
+
+    save_file(state, str(dest / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (dest / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -1,0 +1,120 @@
+"""Session mode: the model and optimizer stay in memory; one optimizer step per submitted request file.
+
+Loop (every rank): wait for `session/request-<k>.jsonl` (polled every ~15 ms, ranks agree collectively), take one
+step (GRPO if `train_args.loss` is grpo/dr_grpo, else SFT), publish `checkpoints/step-<version>`, and rank 0 writes
+`session/result-<k>.json`. A bad batch yields a result with `error` and no step. `session/end` ends the session
+(COMPLETED); SIGTERM / cancel stop it like a normal job (state saved). Request k follows the last result written,
+so a restarted session continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from pydantic import ValidationError
+
+from scalarlm.checkpoint.session import SessionDir
+from scalarlm.protocol.errors import ScalarLMError
+from scalarlm.protocol.training import SessionStepResult
+from scalarlm.training.data import StepBatch, _cross_doc_targets, encode_rows, pack
+from scalarlm.training.rl_step import grpo_step
+from scalarlm.training.rows import parse_row
+
+if TYPE_CHECKING:
+    from scalarlm.training.loop import Trainer
+
+logger = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.015
+
+
+def sft_batch(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> StepBatch:
+    """All of `raw_rows` as one global SFT batch (packed), split into this DP rank's micro-batches."""
+    from scalarlm.training.data import collate
+
+    rows = [parse_row(json.dumps(r), i + 1) for i, r in enumerate(raw_rows)]
+    docs, _ = encode_rows(trainer.tokenizer, rows, trainer.max_len)
+    blocks = pack(docs, range(len(docs)), trainer.max_len, trainer.args.pack)
+    par, size = trainer.par, trainer.args.batch_size
+    mine = blocks[par.dp_rank :: par.dp_size]
+    micro = [collate(mine[i : i + size], trainer.pad_id) for i in range(0, len(mine), size)]
+    loss_tokens = sum(sum(b.targets[1:]) for b in blocks) - _cross_doc_targets(blocks)
+    return StepBatch(micro, loss_tokens, sum(len(b.tokens) for b in blocks))
+
+
+def session_step(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One optimizer step on one request's rows (GRPO or SFT per `train_args.loss`)."""
+    if trainer.args.loss in ("grpo", "dr_grpo"):
+        return grpo_step(trainer, raw_rows)
+    return trainer.sft_step(sft_batch(trainer, raw_rows))
+
+
+def _next_request(files: SessionDir) -> int:
+    """1 + the highest request index that already has a result."""
+    done = [int(p.stem.split("-")[1]) for p in files.root.glob("result-*.json")]
+    return max(done, default=0) + 1
+
+
+def _agree(flags: list[bool], device: torch.device) -> list[bool]:
+    """Element-wise: stop = any rank; request ready / end = every rank sees it."""
+    t = torch.tensor([int(flags[0]), -int(flags[1]), -int(flags[2])], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [t[0].item() > 0, t[1].item() < 0, t[2].item() < 0]
+
+
+def run_session(
+    trainer: "Trainer",
+    stop_requested: Callable[[], bool],
+    on_step: Callable[[dict[str, Any]], None],
+) -> str:
+    """Serve step requests until `end` ("completed") or a stop request ("stopped", state saved)."""
+    files = SessionDir(trainer.job)
+    files.create()
+    k = _next_request(files)
+    logger.info("session %s: waiting for request %d", trainer.job.job_id, k)
+    while True:
+        stop, ready, end = _agree(
+            [stop_requested(), files.request_path(k).exists(), files.end_requested()], trainer.par.device
+        )
+        if stop:
+            trainer.save()
+            return "stopped"
+        if ready:
+            _serve(trainer, files, k, on_step)
+            k += 1
+            continue
+        if end:
+            trainer.save()
+            return "completed"
+        time.sleep(POLL_SECONDS)
+
+
+def _serve(trainer: "Trainer", files: SessionDir, k: int, on_step: Callable[[dict[str, Any]], None]) -> None:
+    """Train on request k, publish, and write its result (an error result for a bad batch)."""
+    try:
+        rows = files.read_request(k) or []
+        metrics = session_step(trainer, rows)
+    except (ScalarLMError, ValidationError, ValueError, KeyError, TypeError) as e:
+        logger.warning("session request %d rejected: %s", k, e)
+        if trainer.par.is_main:
+            error = str(getattr(e, "message", None) or e)
+            files.write_result(k, SessionStepResult(step=trainer.step, version=trainer.step, error=error))
+        return
+    metrics["request"] = k
+    on_step(metrics)
+    trainer.publish(metrics["loss"])
+    if trainer.par.is_main:
+        files.write_result(
+            k,
+            SessionStepResult(step=trainer.step, version=trainer.step, loss=metrics["loss"], metrics=_plain(metrics)),
+        )
+
+
+def _plain(metrics: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool)) or v is None}

@@ -1,0 +1,86 @@
+"""Run by test_lora.py as one plain process (TP=1) or under `mpirun -n 2` (TP=2).
+
+Builds the megatron model of the given HF model directory on this rank's TP shard, attaches LoRA on every
+projection with random (non-zero) A and B, exports the adapter in PEFT format to the given output directory and
+prints one JSON line (rank 0): `max_diff` = max |logits(megatron + LoRA) - logits(HF base + PEFT adapter)|, and
+`base_diff` (adapters disabled vs the plain HF base).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+
+def check(model_dir: Path, out: Path, par) -> dict:
+    import torch.distributed as dist
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from scalarlm.protocol.training import LoraConfig
+    from scalarlm.training import hf_io, lora
+    from scalarlm.training.convert import hf_to_mcore, mark_tensor_parallel
+    from scalarlm.training.model import arch_from_hf_config, build_gpt_model
+
+    arch = arch_from_hf_config(hf_io.read_config(model_dir), qkv_bias=False)
+    model = build_gpt_model(arch, par.tp_size, bf16=False, parallel_output=False)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in hf_to_mcore(hf_io.load_weights(model_dir), arch, par.tp_rank, par.tp_size).items():
+            params[name].copy_(value)
+    mark_tensor_parallel(model, arch)
+    config = LoraConfig(r=4, alpha=8)
+    lora.attach_lora(model, arch, config, par.tp_rank, par.tp_size, seed=0)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for s in lora.lora_sets(model):
+            for pair in s.pairs.values():
+                pair.B.copy_(torch.randn(pair.B.shape, generator=gen) * 0.05)
+    model.eval()
+    ids = torch.randint(0, arch.vocab_size, (2, 20), generator=gen)
+    causal = torch.ones(20, 20, dtype=torch.bool).triu(1)[None, None]
+    pos = torch.arange(20).expand(2, 20)
+    with torch.no_grad():
+        ours = model(ids, pos, causal)
+        with lora.adapters_disabled(model):
+            ours_base = model(ids, pos, causal)
+    if not par.is_main:
+        dist.barrier()
+        return {}
+    lora.write_adapter(out, lora.peft_state(model), lora.peft_config(config, str(model_dir)))
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        plain = base(ids).logits
+    peft_model = PeftModel.from_pretrained(base, str(out)).eval()
+    with torch.no_grad():
+        theirs = peft_model(ids).logits
+    dist.barrier()
+    return {
+        "tp": par.tp_size,
+        "max_diff": (ours - theirs).abs().max().item(),
+        "base_diff": (ours_base - plain).abs().max().item(),
+        "lora_effect": (theirs - plain).abs().max().item(),
+    }
+
+
+def main() -> int:
+    from scalarlm.training.launch_env import launch_env_from
+    from scalarlm.training.parallel import init_parallel, shutdown_parallel
+
+    tp = int(sys.argv[1])
+    par = init_parallel(launch_env_from(os.environ), tp, seed=0)
+    try:
+        result = check(Path(sys.argv[2]), Path(sys.argv[3]), par)
+        if par.is_main:
+            print("RESULT " + json.dumps(result), flush=True)
+    finally:
+        shutdown_parallel()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
