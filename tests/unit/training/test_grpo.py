@@ -1,0 +1,141 @@
+"""GRPO / Dr. GRPO: advantages and the clipped objective against a direct NumPy computation; zero-advantage groups
+give exactly zero gradient; tokenized rows line up their advantages, sampling logprobs and normalising weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.training.grpo import (
+    ADV_EPS,
+    advantages,
+    encode_rl_rows,
+    grpo_objective,
+    parse_rl_rows,
+    rl_micro_batches,
+    token_weights,
+)
+
+REWARDS = [1.0, 0.0, 0.5, 2.0, 2.0, 2.0, -1.0]
+GROUPS = ["a", "a", "a", "b", "b", "b", "c"]
+
+
+def _direct_advantages(loss: str) -> np.ndarray:
+    r = np.array(REWARDS)
+    out = np.zeros_like(r)
+    for g in set(GROUPS):
+        idx = [i for i, x in enumerate(GROUPS) if x == g]
+        centred = r[idx] - r[idx].mean()
+        std = r[idx].std(ddof=1) if len(idx) > 1 else 0.0
+        out[idx] = centred / (std + ADV_EPS) if loss == "grpo" else centred
+    return out
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo"])
+def test_advantages_match_numpy(loss: str) -> None:
+    np.testing.assert_allclose(advantages(REWARDS, GROUPS, loss), _direct_advantages(loss), rtol=1e-12, atol=1e-12)
+
+
+def test_equal_rewards_and_singletons_have_zero_advantage() -> None:
+    adv = advantages(REWARDS, GROUPS, "grpo")
+    assert adv[3:] == [0.0, 0.0, 0.0, 0.0]
+
+
+def _fixed_batch():
+    gen = torch.Generator().manual_seed(0)
+    logp = -torch.rand(3, 6, generator=gen) * 2
+    old = logp + (torch.rand(3, 6, generator=gen) - 0.5) * 0.8  # ratios both sides of the clip range
+    ref = logp + (torch.rand(3, 6, generator=gen) - 0.5) * 0.3
+    adv = torch.tensor([1.5, -0.7, 0.9])[:, None].expand(3, 6).clone()
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0]], dtype=torch.float32)
+    has_old = torch.ones(3, 6)
+    has_old[2] = 0  # a row without sampling logprobs: ratio 1
+    return logp, old, ref, adv, mask, has_old
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo"])
+def test_clipped_objective_matches_numpy(loss: str) -> None:
+    logp, old, ref, adv, mask, has_old = _fixed_batch()
+    lengths = mask.sum(1)
+    if loss == "grpo":
+        w = (1.0 / (lengths * 3))[:, None].expand(3, 6)
+    else:
+        w = torch.full((3, 6), 1.0 / (lengths.max().item() * 3))
+    eps, beta = 0.2, 0.05
+    got, stats = grpo_objective(logp, old, has_old, adv, w, mask, eps, beta, ref)
+
+    lp, o, rf, a, m = (x.double().numpy() for x in (logp, old, ref, adv, mask))
+    o = np.where(has_old.numpy() > 0, o, lp)
+    ratio = np.exp(lp - o)
+    pg = -np.minimum(ratio * a, np.clip(ratio, 1 - eps, 1 + eps) * a)
+    kl = np.exp(rf - lp) - (rf - lp) - 1
+    per_token = (pg + beta * kl) * m
+    if loss == "grpo":  # mean over each sequence's tokens, then over sequences
+        want = np.mean(per_token.sum(1) / m.sum(1))
+    else:  # constant normaliser: max completion length x sequences
+        want = per_token.sum() / (m.sum(1).max() * 3)
+    assert got.item() == pytest.approx(want, rel=1e-5)
+    clipped = ((ratio * a > np.clip(ratio, 1 - eps, 1 + eps) * a) * m).sum()
+    assert stats["clipped_tokens"].item() == clipped > 0
+    assert stats["kl_sum"].item() == pytest.approx((kl * m).sum(), rel=1e-5)
+
+
+def test_equal_reward_group_contributes_no_gradient() -> None:
+    """Policy-gradient terms of a group whose rewards are all equal have zero gradient, even off-policy."""
+    torch.manual_seed(0)
+    vocab, dim = 11, 5
+    emb = torch.nn.Embedding(vocab, dim)
+    head = torch.nn.Linear(dim, vocab)
+    tokens = torch.randint(0, vocab, (6, 7))
+    adv = torch.tensor(advantages(REWARDS[:6], GROUPS[:6], "grpo"), dtype=torch.float32)[:, None].expand(6, 7)
+    logits = head(emb(tokens[:, :-1]))
+    logp = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    mask = torch.ones_like(logp)
+    only_b = torch.zeros_like(logp)
+    only_b[3:] = 1.0  # group "b" (rows 3..5), rewards all 2.0
+    old = logp.detach() + 0.3  # off-policy: ratio != 1
+    loss, _ = grpo_objective(logp, old, torch.ones_like(logp), adv[:, :6], torch.full_like(logp, 0.1), only_b, 0.2)
+    loss.backward(retain_graph=True)
+    assert torch.count_nonzero(head.weight.grad) == 0 and torch.count_nonzero(emb.weight.grad) == 0
+    head.zero_grad(), emb.zero_grad()
+    loss_a, _ = grpo_objective(logp, old, torch.ones_like(logp), adv[:, :6], torch.full_like(logp, 0.1), mask - only_b, 0.2)
+    loss_a.backward()
+    assert torch.count_nonzero(head.weight.grad) > 0  # the other group does train
+
+
+def test_rows_line_up_with_tokens(tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    completion = "the answer is 4"
+    n = len(tok(completion, add_special_tokens=False)["input_ids"])
+    rows = parse_rl_rows(
+        [
+            {"prompt": "2+2=", "completion": completion, "reward": 1.0, "logprobs": [-0.5] * (n + 1)},
+            {"prompt": "2+2=", "completion": completion + " !", "reward": 0.0},
+            {"prompt": "3+3=", "completion": "6", "reward": 1.0, "logprobs": [-9.0] * 40},  # re-tokenized: on-policy
+        ]
+    )
+    for loss in ("grpo", "dr_grpo"):
+        docs, stats = encode_rl_rows(tok, rows, loss, max_len=64)
+        assert stats["logprobs_mismatched_rows"] == 1 and stats["groups"] == 2
+        assert docs[0].doc.tokens[-1] == tok.eos_token_id and sum(docs[0].doc.targets) == n + 1
+        weights = token_weights(docs, loss)
+        (mb,) = rl_micro_batches(docs, weights, 8, pad_id=0)
+        assert torch.equal(mb.has_old.bool(), (mb.old_logprobs == -0.5))
+        assert mb.has_old.sum().item() == n + 1
+        assert torch.equal((mb.weights > 0).float(), mb.batch.loss_mask)
+        if loss == "grpo":
+            assert mb.weights.sum().item() == pytest.approx(1.0)
+        assert mb.advantages[2].abs().sum().item() == 0.0  # a singleton group has no advantage
+
+
+def test_bad_rows_are_rejected() -> None:
+    with pytest.raises(InvalidRequest):
+        parse_rl_rows([{"prompt": "x", "completion": "y"}])
+    with pytest.raises(InvalidRequest):
+        parse_rl_rows([{"completion": "y", "reward": 1}])
