@@ -24,7 +24,11 @@ RL_ROWS = [
 
 def use_standin(client) -> None:  # type: ignore[no-untyped-def]
     """Swap the app's launcher for one that runs the stand-in trainer (the app object is the transport's)."""
-    app = client._transport.app
+    use_standin_in(client._transport.app)
+
+
+def use_standin_in(app) -> None:  # type: ignore[no-untyped-def]
+    """Swap the launcher of `app` for one that runs the stand-in trainer."""
     settings = app.state.server.settings
     jobs = TrainingJobs(settings, launchers={"local": LocalLauncher(settings, python=sys.executable,
                                                                     entry=[str(STANDIN)], grace_seconds=5)})

@@ -1,0 +1,74 @@
+"""The closed loop for real: `scalarlm serve` (vLLM worker, local trainer), driven through the client.
+
+Train on answers the random base model cannot know, then generate with `model_name=<job>`: the trained
+answers come back stamped with the published version, while the base model still answers as before.
+An RL session's every step returns a version that the very next generate call is served with.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import scalarlm
+from scalarlm.client.flows import get_json
+from scalarlm.protocol.generate import GenerateResult
+
+# Needs the worker's hot-swap (scalarlm/inference) and the trainer's session mode (scalarlm/training), which
+# land separately (issue 4). strict: once they work these tests XPASS, which fails the run, so this marker
+# gets removed then rather than forgotten.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.xfail(reason="needs worker hot-swap and trainer session mode (issue 4)", strict=True),
+]
+
+# Facts a random tiny model cannot produce greedily (the same kind of rows examples/train_demo.py learns).
+FACTS = [
+    {"input": "What is the capital of France?", "output": " Paris"},
+    {"input": "What do bees make?", "output": " honey"},
+    {"input": "What colour is the sky?", "output": " blue"},
+]
+FULL_ARGS = {"max_steps": 40, "learning_rate": 1e-2, "adapter_type": "full", "steps_per_checkpoint": 40,
+             "max_seq_len": 64, "dtype": "float32"}  # fmt: skip
+
+
+def greedy(llm: scalarlm.ScalarLM, model: str | None) -> list[GenerateResult]:
+    return llm.generate([f["input"] for f in FACTS], model_name=model, max_tokens=2, temperature=0,
+                        return_details=True)  # fmt: skip
+
+
+def test_trained_job_answers_with_its_version_and_the_base_is_unchanged(loop_server: str) -> None:
+    llm = scalarlm.ScalarLM(api_url=loop_server, timeout=300)
+    before = greedy(llm, None)
+    assert all(r.version == 0 for r in before)
+    job = llm.train(FACTS, train_args=FULL_ARGS)
+    job.wait(timeout=900)
+    step = job.info().checkpoints[-1]
+
+    trained = greedy(llm, job.id)
+    assert [r.model for r in trained] == [job.id] * len(FACTS)
+    assert [r.version for r in trained] == [step] * len(FACTS)
+    right = sum(r.response.strip() == f["output"].strip() for r, f in zip(trained, FACTS))
+    assert right >= len(FACTS) - 1, [r.response for r in trained]
+
+    after = greedy(llm, None)
+    assert [r.response for r in after] == [r.response for r in before]
+    assert all(r.version == 0 for r in after)
+    models = {m["id"]: m for m in llm._run(get_json("/v1/models"))["data"]}
+    assert models[job.id]["scalarlm_version"] == step
+
+
+def test_each_session_step_is_served_by_the_next_generate(loop_server: str) -> None:
+    llm = scalarlm.ScalarLM(api_url=loop_server, timeout=300)
+    prompt = FACTS[0]["input"]
+    with llm.rl_session(train_args={"loss": "grpo", "learning_rate": 1e-2, "max_seq_len": 64, "dtype": "float32"}) as session:
+        versions = []
+        for _ in range(3):
+            rows = [{"prompt": prompt, "completion": c, "reward": r}
+                    for c, r in ((" Paris", 1.0), (" blue", 0.0), (" honey", 0.0), (" Paris", 1.0))]  # fmt: skip
+            version = session.step(rows)
+            [result] = llm.generate([prompt], model_name=session.model_name, max_tokens=2, temperature=0,
+                                    return_details=True)  # fmt: skip
+            assert (result.model, result.version) == (session.model_name, version)
+            versions.append(version)
+        assert versions == sorted(set(versions)) and versions[0] >= 1
+    assert session.info().status in ("COMPLETED", "CANCELLED")
