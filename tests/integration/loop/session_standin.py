@@ -16,6 +16,9 @@ from scalarlm.checkpoint import JobDir, publish_step
 from scalarlm.checkpoint.session import SessionDir
 from scalarlm.protocol.training import CheckpointManifest, SessionStepResult
 
+# A test that fails before ending its session must not leave this process behind.
+IDLE_EXIT_SECONDS = 60.0
+
 
 def main(root: str) -> int:
     job = JobDir(Path(root))
@@ -23,14 +26,16 @@ def main(root: str) -> int:
     base = Path(job.read_config().base_model)
     job.update_status(status="RUNNING", start_time=time.time())
     k = 1
+    idle_since = time.monotonic()
     while True:
-        if files.end_requested():
+        if files.end_requested() or time.monotonic() - idle_since > IDLE_EXIT_SECONDS:
             job.update_status(status="COMPLETED", end_time=time.time())
             return 0
         rows = files.read_request(k)
         if rows is None:
             time.sleep(0.02)
             continue
+        idle_since = time.monotonic()
         if any(r.get("completion") == "die" for r in rows):
             return 3
         manifest = CheckpointManifest(job_id=job.job_id, step=k, base_model=str(base), kind="full", loss=1.0 / k)
