@@ -1,7 +1,7 @@
 """A real `scalarlm serve` (control plane + in-process vLLM worker on the tiny model) under a burst of
 concurrent OpenAI streams and a 20,000-prompt batch, then SIGTERM mid-batch: draining answers 503 with
-Retry-After, leased items go back to the queue, the process exits within its bound, and a restart on the
-same home completes every item exactly once."""
+Retry-After, leased items go back to the queue, the process exits within its bound; a restart is then
+SIGKILLed mid-batch, and a second restart on the same home completes every item exactly once."""
 
 from __future__ import annotations
 
@@ -81,15 +81,19 @@ async def _stream(client: httpx.AsyncClient, model: str, i: int, statuses: Count
     body = {"model": model, "messages": [{"role": "user", "content": f"hello {i}"}], "max_tokens": 4,
             "stream": True}
     for _ in range(60):
-        async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
-            statuses[reply.status_code] += 1
-            if reply.status_code == 429:
-                retry_afters.append(reply.headers.get("retry-after"))
-                await reply.aread()
-                await asyncio.sleep(min(float(reply.headers.get("retry-after", "1")), 2.0))
-                continue
-            text = (await reply.aread()).decode()
-            return reply.status_code == 200 and text.rstrip().endswith("data: [DONE]")
+        try:
+            async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
+                statuses[reply.status_code] += 1
+                if reply.status_code == 429:
+                    retry_afters.append(reply.headers.get("retry-after"))
+                    await reply.aread()
+                    await asyncio.sleep(min(float(reply.headers.get("retry-after", "1")), 2.0))
+                    continue
+                text = (await reply.aread()).decode()
+                return reply.status_code == 200 and text.rstrip().endswith("data: [DONE]")
+        except httpx.TransportError as e:  # counted and asserted rare below; a dead server fails every retry
+            statuses[type(e).__name__] += 1
+            await asyncio.sleep(1.0)
     return False
 
 
@@ -112,7 +116,8 @@ async def _wait_batch_done(client: httpx.AsyncClient, total: int, timeout: float
 async def test_burst_of_streams_and_a_big_batch(engine_server, tiny_model_dir: Path) -> None:
     url, proc = engine_server
     model = tiny_model_dir.name
-    limits = httpx.Limits(max_connections=STREAMS + 10, max_keepalive_connections=STREAMS + 10)
+    # No keep-alive: a pooled connection the server closes as idle would race with its reuse.
+    limits = httpx.Limits(max_connections=STREAMS + 10, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
         warm = await client.post("/v1/completions", json={"model": model, "prompt": "warm", "max_tokens": 2})
         assert warm.status_code == 200
@@ -134,13 +139,15 @@ async def test_burst_of_streams_and_a_big_batch(engine_server, tiny_model_dir: P
                 results += got.json()["results"]
         elapsed = time.monotonic() - started
         rss_after = tree_rss(proc.pid)
-    server_errors = sum(n for code, n in statuses.items() if code >= 500)
+    server_errors = sum(n for code, n in statuses.items() if isinstance(code, int) and code >= 500)
+    transport_errors = sum(n for code, n in statuses.items() if isinstance(code, str))
     FIGURES.update(streams=STREAMS, streams_completed=sum(done), stream_statuses=dict(statuses),
                    batch=BATCH, batch_completed=queue["completed"], batch_failed=queue["failed"],
                    seconds=round(elapsed, 1), rss_before_mb=rss_before >> 20, rss_peak_mb=sampler.peak >> 20,
                    rss_after_mb=rss_after >> 20)
     print(f"\nload: {json.dumps(FIGURES)}")
-    assert server_errors == 0 and set(statuses) <= {200, 429}
+    assert server_errors == 0 and {c for c in statuses if isinstance(c, int)} <= {200, 429}
+    assert transport_errors <= STREAMS // 100, statuses  # dropped connections: at most 1%
     assert all(ra is not None and int(ra) >= 1 for ra in retry_afters)  # every 429 says when to retry
     assert all(done), f"{STREAMS - sum(done)} streams did not finish"
     assert queue["completed"] == BATCH and queue["failed"] == 0
@@ -150,7 +157,7 @@ async def test_burst_of_streams_and_a_big_batch(engine_server, tiny_model_dir: P
     assert sampler.peak - rss_before < 1 << 30, FIGURES
 
 
-def test_sigterm_drains_returns_leases_and_exits_in_bound(engine_server, home: Path, tiny_model_dir: Path) -> None:
+def test_sigterm_drains_then_sigkill_and_restart_lose_nothing(engine_server, home: Path, tiny_model_dir: Path) -> None:
     url, proc = engine_server
     total = 3000
     batch = httpx.post(f"{url}/v1/generate", json={"prompts": [f"p {i}" for i in range(total)], "max_tokens": 32},
@@ -187,9 +194,21 @@ def test_sigterm_drains_returns_leases_and_exits_in_bound(engine_server, home: P
     assert states.get("leased", 0) == 0  # nothing is left held by the stopped worker
     assert states.get("queued", 0) > 0, "the batch finished before SIGTERM: make it bigger"
 
-    # A restart on the same home completes the rest; every item has exactly one result.
-    with serve(["--model", str(tiny_model_dir)], home, ENV, need_engine=True) as (url2, _, _):
-        got = httpx.post(f"{url2}/v1/generate/get_results", json={"request_ids": ids, "wait_seconds": 300},
+    # Restart, and SIGKILL that server mid-batch (the real engine holding leases) once it made progress.
+    with serve(["--model", str(tiny_model_dir)], home, ENV, need_engine=True) as (url2, proc2, _):
+        done_before = states.get("completed", 0)
+        deadline = time.monotonic() + 300
+        while _queue_states(home).get("completed", 0) < done_before + 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        proc2.send_signal(signal.SIGKILL)
+        proc2.wait()
+    killed_states = _queue_states(home)
+    FIGURES.update(sigkill_states=killed_states)
+    print(f"\nsigkill: {json.dumps(killed_states)}")
+    assert killed_states.get("queued", 0) + killed_states.get("leased", 0) > 0, "batch finished before SIGKILL"
+    # A second restart completes the rest; every item has exactly one result.
+    with serve(["--model", str(tiny_model_dir)], home, ENV, need_engine=True) as (url3, _, _):
+        got = httpx.post(f"{url3}/v1/generate/get_results", json={"request_ids": ids, "wait_seconds": 300},
                          timeout=400).json()["results"]
     assert len(got) == total and all(r["response"] is not None for r in got)
     with sqlite3.connect(home / "queue.sqlite") as db:
