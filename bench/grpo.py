@@ -1,0 +1,208 @@
+"""GRPO benchmark (issue 4): our GRPO step time ÷ TRL `GRPOTrainer` (HF-generate mode, `use_cpu=True`).
+
+Both sides start from the same ~39M-parameter model (bench/training.py's), sample GROUP completions of at most
+COMPLETION tokens for each of PROMPTS_PER_STEP prompts per step at temperature 1, score them with the same reward
+(the share of digit characters in the completion: a random model gets partial credit, so groups have spread), and
+take one optimizer step with the GRPO loss (beta 0, clip 0.2, same learning rate). Our step is the whole client loop:
+generate through `scalarlm serve` (n=GROUP, sampling logprobs) + score on the client + one RL-session step (which
+answers once the new weights are published and served). Step time on both sides = wall time from the end of step 1
+to the end of step N ÷ (N - 1); start-up and the warm-up step are left out. Not a test: prints a ratio measured in
+this one run, and both reward curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import ROOT, Process, free_port, merge_results, python
+from bench.training import make_model
+
+PROMPTS_PER_STEP = 4
+GROUP = 8
+COMPLETION = 16
+LR = 5e-5
+CLIP = 0.2
+
+
+def prompts(n: int = 64, seed: int = 0) -> list[str]:
+    """Arithmetic questions (the model's tokenizer knows digits and these words)."""
+    rng = random.Random(seed)
+    return [f"Count the apples: what is {rng.randrange(40)} + {rng.randrange(40)}? " for _ in range(n)]
+
+
+def digit_frac(text: str) -> float:
+    """Share of digit characters in the completion (0 for an empty one)."""
+    return sum(c.isdigit() for c in text) / len(text) if text else 0.0
+
+
+def load() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+# --- TRL: `python -m bench.grpo --trl` runs GRPOTrainer in a fresh process and prints JSON ---
+
+
+def run_trl(model: Path, steps: int, out_dir: Path) -> dict:
+    """TRL GRPOTrainer, HF generate (no vLLM), CPU, fp32; per-step end times and mean rewards."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    rewards: list[float] = []
+    lengths: list[int] = []
+    ends: list[float] = []
+
+    def reward(completions, **kwargs):
+        scores = [digit_frac(c) for c in completions]
+        rewards.append(statistics.fmean(scores))
+        lengths.extend(len(tokenizer(c, add_special_tokens=False)["input_ids"]) for c in completions)
+        return scores
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append(time.perf_counter())
+
+    cfg = GRPOConfig(output_dir=str(out_dir), max_steps=steps, per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
+                     num_generations=GROUP, max_completion_length=COMPLETION, temperature=1.0, learning_rate=LR,
+                     lr_scheduler_type="constant", beta=0.0, epsilon=CLIP, loss_type="grpo", use_cpu=True, bf16=False,
+                     report_to="none", save_strategy="no", logging_steps=10_000, seed=0, disable_tqdm=True,
+                     dataloader_num_workers=0)  # fmt: skip
+    data = Dataset.from_list([{"prompt": p} for p in prompts()])
+    trainer = GRPOTrainer(model=lm, reward_funcs=[reward], args=cfg, train_dataset=data, processing_class=tokenizer,
+                          callbacks=[StepClock()])  # fmt: skip
+    trainer.train()
+    return {"seconds_per_step": (ends[-1] - ends[0]) / (len(ends) - 1), "steps": len(ends), "rewards": rewards,
+            "mean_completion_tokens": statistics.fmean(lengths)}  # fmt: skip
+
+
+def trl_side(model: Path, steps: int, work: Path) -> dict:
+    out = subprocess.run([python(), "-m", "bench.grpo", "--trl", "--model", str(model), "--steps", str(steps),
+                          "--work", str(work)], cwd=ROOT, capture_output=True, text=True, timeout=900)  # fmt: skip
+    (work / "trl.log").write_text(out.stdout + out.stderr)
+    if out.returncode != 0:
+        raise RuntimeError(f"TRL GRPO failed; see {work / 'trl.log'}:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# --- ours: scalarlm serve + client generate + client-side reward + RL session step ---
+
+
+def session_missing() -> str | None:
+    """Why our side cannot run yet (the trainer does not take session jobs), or None when it can."""
+    trainer_files = "".join(p.read_text() for p in (ROOT / "scalarlm" / "training").glob("*.py"))
+    if "session" not in trainer_files:
+        return "scalarlm/training/ has no RL-session trainer yet (TrainJobConfig.session is not handled)"
+    if not (ROOT / "scalarlm" / "server" / "routers" / "sessions.py").exists():
+        return "no /v1/train/sessions routes"
+    return None
+
+
+def ours_side(model: Path, steps: int, work: Path) -> dict:
+    """Our GRPO loop against a real `scalarlm serve` on the same model; per-step times and mean rewards."""
+    import scalarlm
+
+    port = free_port()
+    argv = [python(), "-m", "scalarlm.cli", "serve", "--model", str(model), "--home", str(work / "home"),
+            "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    rng = random.Random(0)
+    pool = prompts()
+    rewards: list[float] = []
+    lengths: list[int] = []
+    ends: list[float] = []
+    parts: list[dict] = []
+    with Process(argv, f"http://127.0.0.1:{port}/v1/health", log=work / "scalarlm-serve.log"):
+        llm = scalarlm.ScalarLM(api_url=f"http://127.0.0.1:{port}", timeout=600)
+        train_args = {"adapter_type": "full", "loss": "grpo", "learning_rate": LR, "clip_eps": CLIP, "kl_coef": 0.0,
+                      "max_seq_len": 128, "dtype": "float32", "lr_schedule": "constant", "batch_size": 1}  # fmt: skip
+        with llm.rl_session(train_args=train_args) as session:
+            served: str | None = None  # the base model until the first step is published
+            for step in range(steps):
+                t0 = time.perf_counter()
+                batch = rng.sample(pool, PROMPTS_PER_STEP)
+                results = llm.generate(batch, model_name=served, max_tokens=COMPLETION, n=GROUP, temperature=1.0,
+                                       logprobs=1, seed=rng.randrange(1 << 30), return_details=True)  # fmt: skip
+                t1 = time.perf_counter()
+                rows, scores = [], []
+                for prompt, result in zip(batch, results):
+                    for out in result.outputs or []:
+                        scores.append(digit_frac(out.text))
+                        lengths.append(len(out.token_ids) if getattr(out, "token_ids", None) else len(out.logprobs or []))
+                        rows.append({"prompt": prompt, "completion": out.text, "reward": scores[-1], "group": prompt,
+                                     "logprobs": out.logprobs})  # fmt: skip
+                t2 = time.perf_counter()
+                session.step(rows)
+                served = session.model_name
+                ends.append(time.perf_counter())
+                rewards.append(statistics.fmean(scores))
+                parts.append({"generate": t1 - t0, "score": t2 - t1, "train_publish": ends[-1] - t2})
+    steady = parts[1:]
+    return {"seconds_per_step": (ends[-1] - ends[0]) / (len(ends) - 1), "steps": len(ends), "rewards": rewards,
+            "mean_completion_tokens": statistics.fmean(lengths) if lengths else 0.0,
+            "generate_s": statistics.fmean(p["generate"] for p in steady),
+            "train_publish_s": statistics.fmean(p["train_publish"] for p in steady)}  # fmt: skip
+
+
+def curve(rewards: list[float]) -> str:
+    return " ".join(f"{r:.3f}" for r in rewards)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--model", type=Path, default=ROOT / "build" / "bench" / "model-40m")
+    ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--trl", action="store_true", help="run only the TRL side in this process (internal)")
+    args = ap.parse_args()
+    if args.trl:
+        print(json.dumps(run_trl(args.model, args.steps, args.work / "out-trl")))
+        return
+    model = make_model(args.model.resolve())
+    work = Path(tempfile.mkdtemp(prefix="bench-grpo-", dir=ROOT / "build" / "bench"))
+    print(f"model {model}; {PROMPTS_PER_STEP} prompts x {GROUP} completions x <= {COMPLETION} tokens per step, "
+          f"{args.steps} steps; work {work}")  # fmt: skip
+    before = load()
+    trl = trl_side(model, args.steps, work)
+    print(f"TRL GRPOTrainer (HF generate)  {trl['seconds_per_step']:7.2f} s/step  "
+          f"mean completion {trl['mean_completion_tokens']:.1f} tokens   load avg {before} -> {load()}")  # fmt: skip
+    print(f"  reward curve: {curve(trl['rewards'])}")
+    figures: dict = {}
+    why = session_missing()
+    if why is None:
+        before = load()
+        try:
+            ours = ours_side(model, args.steps, work)
+        except Exception as e:  # a benchmark reports what broke and still records the baseline
+            why = f"our GRPO loop failed: {type(e).__name__}: {e}"
+    if why is None:
+        figures["grpo_step_vs_trl"] = round(ours["seconds_per_step"] / trl["seconds_per_step"], 3)
+        print(f"ours (serve + session)         {ours['seconds_per_step']:7.2f} s/step  "
+              f"(generate {ours['generate_s']:.2f} s, train+publish {ours['train_publish_s']:.2f} s)  "
+              f"mean completion {ours['mean_completion_tokens']:.1f} tokens   load avg {before} -> {load()}")  # fmt: skip
+        print(f"  reward curve: {curve(ours['rewards'])}")
+        print(f"grpo_step_vs_trl = {figures['grpo_step_vs_trl']} (target <= 0.5)")
+    else:
+        figures["grpo_step_vs_trl"] = None
+        print(f"grpo_step_vs_trl: MISSING, our side not measured: {why}")
+    figures["grpo_trl_seconds_per_step"] = round(trl["seconds_per_step"], 3)
+    merge_results(figures)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    sys.stdout.reconfigure(line_buffering=True)
+    main()
