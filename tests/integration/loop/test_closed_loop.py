@@ -13,13 +13,7 @@ import scalarlm
 from scalarlm.client.flows import get_json
 from scalarlm.protocol.generate import GenerateResult
 
-# Needs the worker's hot-swap (scalarlm/inference) and the trainer's session mode (scalarlm/training), which
-# land separately (issue 4). strict: once they work these tests XPASS, which fails the run, so this marker
-# gets removed then rather than forgotten.
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.xfail(reason="needs worker hot-swap and trainer session mode (issue 4)", strict=True),
-]
+pytestmark = pytest.mark.slow
 
 # Facts a random tiny model cannot produce greedily (the same kind of rows examples/train_demo.py learns).
 FACTS = [
