@@ -212,3 +212,63 @@ def grpo_objective(
         if kl_coef > 0:
             per_token = per_token + kl_coef * kl
     return (per_token * weights * mask).sum(), stats
+
+
+def read_rl_dataset(path: Any) -> list[dict[str, Any]]:
+    """The scored rows of a GRPO job's dataset.jsonl, validated up front (InvalidRequest naming the line)."""
+    raw = []
+    with open(path, encoding="utf-8") as f:
+        for line, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            try:
+                obj = json.loads(text)
+                parse_rl_rows([obj])
+            except (json.JSONDecodeError, InvalidRequest) as e:
+                raise InvalidRequest(f"dataset line {line}: {e}", param="dataset") from None
+            raw.append(obj)
+    if not raw:
+        raise InvalidRequest("dataset is empty: no rows to train on", param="dataset")
+    return raw
+
+
+@dataclass
+class GroupStream:
+    """GRPO jobs: an endless, seeded stream of whole groups (all rows of a group go into one step)."""
+
+    groups: list[list[dict[str, Any]]]
+    shuffle: bool = True
+    seed: int = 0
+    epoch: int = 0
+    offset: int = 0
+
+    @classmethod
+    def from_rows(cls, raw: list[dict[str, Any]], shuffle: bool, seed: int) -> "GroupStream":
+        by_key: dict[str, list[dict[str, Any]]] = {}
+        for obj in raw:
+            by_key.setdefault(group_key(RLRow.model_validate(obj)), []).append(obj)
+        return cls(list(by_key.values()), shuffle, seed)
+
+    def _order(self) -> list[int]:
+        import random
+
+        order = list(range(len(self.groups)))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        return order
+
+    def take(self, n: int) -> list[dict[str, Any]]:
+        """The rows of the next `n` groups (wrapping into a reshuffled epoch)."""
+        rows: list[dict[str, Any]] = []
+        for _ in range(min(n, len(self.groups))):
+            rows += self.groups[self._order()[self.offset]]
+            self.offset += 1
+            if self.offset >= len(self.groups):
+                self.epoch, self.offset = self.epoch + 1, 0
+        return rows
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])

@@ -27,6 +27,7 @@ from scalarlm.checkpoint import JobDir
 from scalarlm.checkpoint.jobdir import atomic_write_text
 from scalarlm.protocol.errors import ScalarLMError
 from scalarlm.training.launch_env import launch_env_from
+from scalarlm.training.grpo import read_rl_dataset
 from scalarlm.training.rows import read_rows
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,9 @@ def run_job(job_dir: Path, environ: Mapping[str, str]) -> int:
     main = env.rank == 0
     try:
         config = job.read_config()
-        rows = [] if config.session else read_rows(job.dataset_path)
+        rl = config.train_args.loss != "sft"
+        rows = [] if config.session or rl else read_rows(job.dataset_path)
+        rl_rows = read_rl_dataset(job.dataset_path) if rl and not config.session else None
     except (ScalarLMError, ValidationError, OSError, ValueError) as e:
         return _fail(job, f"{type(e).__name__}: {e}") if main else 1
     args = config.train_args
@@ -111,7 +114,7 @@ def run_job(job_dir: Path, environ: Mapping[str, str]) -> int:
     trainer = None
     try:
         par = init_parallel(env, args.tensor_parallel_size, args.seed)
-        trainer = Trainer(job, config, par, rows)
+        trainer = Trainer(job, config, par, rows, rl_rows)
         trainer.resume_if_saved()
         data = trainer.data_report()
         if main:
@@ -121,7 +124,7 @@ def run_job(job_dir: Path, environ: Mapping[str, str]) -> int:
 
         def on_step(metrics: dict[str, Any]) -> None:
             if main:
-                metrics["truncated_rows"] = data["truncated_rows"]
+                metrics.setdefault("truncated_rows", data["truncated_rows"])
                 job.append_metrics(metrics)
                 job.update_status(step=metrics["step"], loss=metrics["loss"])
                 logger.info("step %d loss %.5f lr %.3g tok/s %.0f", metrics["step"], metrics["loss"], metrics["lr"],

@@ -25,6 +25,8 @@ from scalarlm.training.convert import hf_to_mcore, mark_tensor_parallel
 from scalarlm.training import lora
 from scalarlm.training.data import BlockStream, DataStats, StepBatch, encode_rows, step_batch
 from scalarlm.training.export import publish_checkpoint
+from scalarlm.training.grpo import GroupStream
+from scalarlm.training.rl_step import grpo_step
 from scalarlm.training.losses import sft_loss, token_losses
 from scalarlm.training.notify import notify_published
 from scalarlm.training.model import arch_from_hf_config, build_gpt_model
@@ -48,7 +50,9 @@ def _warn_unimplemented(args: TrainArgs) -> None:
 class Trainer:
     """One rank's share of an SFT job: model shard, optimizer, data stream and step counter."""
 
-    def __init__(self, job: JobDir, config: TrainJobConfig, par: Parallel, rows: list[Row]) -> None:
+    def __init__(
+        self, job: JobDir, config: TrainJobConfig, par: Parallel, rows: list[Row], rl_rows: list[dict] | None = None
+    ) -> None:
         from transformers import AutoTokenizer
 
         self.job, self.config, self.par = job, config, par
@@ -66,7 +70,11 @@ class Trainer:
         self.global_batch = args.batch_size * args.gradient_accumulation_steps * par.dp_size
         self.data_stats = DataStats()
         self.stream: BlockStream | None = None
-        if not config.session:
+        self.groups: GroupStream | None = None
+        if rl_rows is not None:
+            self.groups = GroupStream.from_rows(rl_rows, args.shuffle, args.seed)
+            self.data_stats = DataStats(rows=len(rl_rows), documents=len(rl_rows))
+        elif not config.session:
             docs, self.data_stats = encode_rows(tokenizer, rows, self.max_len)
             self.stream = BlockStream(docs, self.max_len, args.pack, args.shuffle, args.seed)
 
@@ -113,13 +121,15 @@ class Trainer:
         payload = load_state(saved, self.par, self.model, self.optimizer)
         self.step = int(payload["step"])
         self.tokens_seen = int(payload.get("tokens_seen", 0))
-        if self.stream is not None:
-            self.stream.load_state_dict(payload["data"])
+        data = self.stream or self.groups
+        if data is not None:
+            data.load_state_dict(payload["data"])
         return True
 
     def save(self) -> None:
         """Collectively save resume state after `self.step` completed steps."""
-        extra = {"data": self.stream.state_dict() if self.stream else {}, "tokens_seen": self.tokens_seen}
+        data = self.stream or self.groups
+        extra = {"data": data.state_dict() if data else {}, "tokens_seen": self.tokens_seen}
         save_state(self.job.state_dir, self.step, self.par, self.model, self.optimizer, extra)
 
     def publish(self, loss: float | None) -> None:
@@ -156,6 +166,8 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over the next global batch; returns its metrics row."""
         args, par = self.args, self.par
+        if self.groups is not None:  # GRPO: `batch_size * gradient_accumulation_steps` whole groups per step
+            return grpo_step(self, self.groups.take(args.batch_size * args.gradient_accumulation_steps))
         assert self.stream is not None
         batch = step_batch(
             self.stream.take(self.global_batch),

@@ -1,0 +1,62 @@
+"""A GRPO training job (LoRA, KL to the adapter-free base) through the entry point: whole groups per step, GRPO
+metrics, and the rewarded completion becomes more likely than the unrewarded one under the published adapter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from trainer_jobs import make_job, run_trainer, trainer_output
+
+from scalarlm.checkpoint import latest_step, read_manifest
+
+PROMPTS = ["2+2=", "3+3=", "1+4="]
+GOOD, BAD = " yes", " no"
+
+
+def _rows() -> list[dict]:
+    rows = []
+    for p in PROMPTS:
+        rows += [{"prompt": p, "completion": GOOD, "reward": 1.0}, {"prompt": p, "completion": BAD, "reward": 0.0}]
+        rows += [{"prompt": p, "completion": BAD + "!", "reward": 0.0}]
+    return rows
+
+
+def _margin(model, tokenizer, prompt: str) -> float:
+    """log p(GOOD) - log p(BAD) after `prompt`."""
+
+    def logp(completion: str) -> float:
+        p = tokenizer(prompt, return_tensors="pt").input_ids
+        c = tokenizer(completion, add_special_tokens=False, return_tensors="pt").input_ids
+        ids = torch.cat([p, c], dim=1)
+        with torch.no_grad():
+            logits = model(ids).logits.log_softmax(-1)
+        return float(logits[0, p.shape[1] - 1 : -1].gather(-1, c[0, :, None]).sum())
+
+    return logp(GOOD) - logp(BAD)
+
+
+def test_grpo_lora_job_prefers_rewarded_completions(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    job = make_job(
+        tmp_path, "grpo-job", tiny_model_dir, _rows(), max_steps=12, learning_rate=1e-2, batch_size=3, loss="grpo",
+        kl_coef=0.01, adapter_type="lora", lr_schedule="constant", steps_per_checkpoint=12,
+    )  # fmt: skip
+    assert run_trainer(job) == 0, trainer_output(job)
+    assert job.read_status().status == "COMPLETED"
+    metrics = job.read_metrics()
+    assert len(metrics) == 12
+    for m in metrics:
+        assert m["rows"] == 9 and m["groups"] == 3  # batch_size 3 = three whole groups per step
+        assert m["reward_mean"] == 1 / 3 and "kl" in m and "clip_fraction" in m and "advantage_std" in m
+    assert metrics[0]["kl"] == 0.0 and metrics[-1]["kl"] > 0.0
+    assert read_manifest(job, latest_step(job)).kind == "lora"
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    before = [_margin(base, tokenizer, p) for p in PROMPTS]
+    tuned = PeftModel.from_pretrained(base, str(job.step_dir(12))).eval()
+    after = [_margin(tuned, tokenizer, p) for p in PROMPTS]
+    assert all(a > b + 1.0 for a, b in zip(after, before)), (before, after)
