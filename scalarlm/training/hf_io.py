@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,10 @@ def load_weights(model_dir: Path, dtype: torch.dtype = torch.float32) -> dict[st
 
 
 def copy_support_files(base_dir: Path, dest: Path) -> None:
-    """Copy tokenizer, generation config and chat template files (not weights, not config.json)."""
+    """Hard-link (else copy) tokenizer, generation config and chat template files (not weights, not config.json).
+
+    Linking keeps every publish cheap (sessions publish after each step); the files are never written in place.
+    """
     for f in Path(base_dir).iterdir():
         if (
             f.is_file()
@@ -61,7 +65,10 @@ def copy_support_files(base_dir: Path, dest: Path) -> None:
             and not f.name.endswith(_WEIGHT_SUFFIXES)
             and f.stat().st_size <= _MAX_COPIED_FILE
         ):
-            shutil.copy2(f, dest / f.name)
+            try:
+                os.link(f, dest / f.name)
+            except OSError:
+                shutil.copy2(f, dest / f.name)
 
 
 def write_checkpoint(dest: Path, state: dict[str, Tensor], base_dir: Path, config: dict[str, Any]) -> None:
