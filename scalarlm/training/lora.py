@@ -37,7 +37,8 @@ LINEARS = {
     "mlp.linear_fc1": ("mlp", MLP_IN, "column"),
     "mlp.linear_fc2": ("mlp", ("down_proj",), "row"),
 }
-ALL_TARGETS = frozenset(p for _, projs, _ in LINEARS.values() for p in projs)
+PEFT_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ALL_TARGETS = frozenset(PEFT_ORDER)
 
 
 class LoraPair(nn.Module):
@@ -83,7 +84,7 @@ def _delta(lora: LoraSet, name: str, x: Tensor) -> Tensor:
     return (x @ pair.A.t().to(x.dtype)) @ pair.B.t().to(x.dtype) * lora.scale
 
 
-def _column_delta(lora: LoraSet, projs: tuple[str, ...], x: Tensor, out: Tensor, arch: ModelArch, tp: tuple[int, int]) -> Tensor:
+def _column_delta(lora: LoraSet, projs: tuple[str, ...], x: Tensor, arch: ModelArch, tp: tuple[int, int]) -> Tensor:
     """This TP rank's slice of the fused delta, in megatron's layout ([q_g; k_g; v_g] groups or [gate_r; up_r])."""
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
@@ -123,7 +124,7 @@ def _make_hook(lora: LoraSet, projs: tuple[str, ...], kind: str, arch: ModelArch
         x = args[0] if args else kwargs["input_"]
         out, bias = output
         if kind == "column":
-            delta = _column_delta(lora, projs, x, out, arch, tp)
+            delta = _column_delta(lora, projs, x, arch, tp)
         else:
             delta = _row_delta(lora, projs[0], x, tp)
         return out + delta.to(out.dtype), bias
@@ -139,11 +140,7 @@ def check_targets(config: LoraConfig) -> list[str]:
             f"lora_config.target_modules {unknown or '[]'} not supported; choose from {sorted(ALL_TARGETS)}",
             param="train_args",
         )
-    return [p for p in _proj_shapes_order() if p in config.target_modules]
-
-
-def _proj_shapes_order() -> list[str]:
-    return ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return [p for p in PEFT_ORDER if p in config.target_modules]
 
 
 def attach_lora(model: nn.Module, arch: ModelArch, config: LoraConfig, tp_rank: int, tp_size: int, seed: int) -> list[LoraSet]:
@@ -154,8 +151,7 @@ def attach_lora(model: nn.Module, arch: ModelArch, config: LoraConfig, tp_rank: 
     gen = torch.Generator().manual_seed(seed + 1_234_567)
     shapes = _proj_shapes(arch)
     sets = []
-    layers = model.decoder.layers
-    for layer in layers:
+    for layer in model.decoder.layers:
         for path, (_, projs, kind) in LINEARS.items():
             chosen = [p for p in projs if p in targets]
             if not chosen:
@@ -172,6 +168,7 @@ def attach_lora(model: nn.Module, arch: ModelArch, config: LoraConfig, tp_rank: 
 
 
 def lora_sets(model: nn.Module) -> list[LoraSet]:
+    """Every adapter set attached to `model`."""
     return [m for m in model.modules() if isinstance(m, LoraSet)]
 
 
