@@ -1,4 +1,4 @@
-"""The trainer: megatron-core engine, data, SFT loop and the `python -m scalarlm.training <job_dir>` entry.
+"""The trainer: megatron-core engine, data, SFT / GRPO loops (full or LoRA), RL sessions, `python -m scalarlm.training`.
 
 Importing this package (and `scalarlm.training.rows`) does not import torch: the control plane uses
 `validate_dataset` to reject bad rows at submission time.

@@ -1,4 +1,8 @@
-"""The SFT training loop on a megatron-core model: read top to bottom (data, model, optimizer, resume, steps).
+"""The training loop on a megatron-core model: read top to bottom (data, model, optimizer, resume, steps).
+
+Full weights or LoRA (`adapter_type`; LoRA freezes the base and publishes a PEFT adapter, see lora.py). The loss is
+SFT, or GRPO / Dr. GRPO over whole groups of scored rows (`loss`, see grpo.py and rl_step.py). Session jobs use
+the same Trainer, driven one request at a time by session_loop.py.
 
 Global batch (blocks per optimizer step) = batch_size * gradient_accumulation_steps * DP, where a block is one
 packed sequence of at most `max_seq_len` tokens (`max_token_block_size` overrides it). bf16 on GPU unless
