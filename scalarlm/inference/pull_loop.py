@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from typing import Any
 
 from vllm.v1.engine.exceptions import EngineDeadError
@@ -136,6 +137,7 @@ class PullLoop:
                 load=self.engine.load.snapshot(),
                 loaded=self.versions.loaded(),
             )
+            asked = time.monotonic()
             try:
                 reply = await self.source.get_work(request)
             except Exception as exc:  # the loop outlives any trouble reaching the control plane
@@ -144,7 +146,9 @@ class PullLoop:
                 backoff = min(backoff * 2, MAX_BACKOFF)
                 continue
             if not reply.requests:
-                await self._pause(self._wake, backoff)
+                # A source that long-polls has already waited for work; pausing again would only add latency.
+                if time.monotonic() - asked < backoff:
+                    await self._pause(self._wake, backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)
                 continue
             self.weights.update_catalog(reply.models)

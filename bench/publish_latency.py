@@ -1,0 +1,166 @@
+"""Publish->serve latency (issue 4): from the end of an optimizer step to the first response stamped with
+the new version, divided by the floor (writing and reading the same bytes as safetensors on the same disk).
+
+One process: a ~40M-param model, the real SQLite queue whose catalog reads the job's published
+checkpoints (the file-poll path), and the worker's pull loop on an in-process vLLM engine. Each round
+perturbs the weights (standing in for a step), publishes them with `checkpoint.publish_step`, then sends
+one request for the job until a result carries the new version. Full weights and LoRA are reported apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.common import ENGINE_ENV, merge_results
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def floor_seconds(tensors: dict[str, Any], folder: Path) -> float:
+    """Median time to write `tensors` as safetensors (fsynced) and read them back, on the same disk."""
+    from safetensors.torch import load_file, save_file
+
+    times = []
+    for i in range(3):
+        path = folder / f"floor-{i}.safetensors"
+        start = time.perf_counter()
+        save_file(tensors, str(path))
+        with open(path, "rb") as fh:
+            os.fsync(fh.fileno())
+        load_file(str(path))
+        times.append(time.perf_counter() - start)
+        path.unlink()
+    return statistics.median(times)
+
+
+def _catalog(job: Any, kind: str, base: Any) -> Callable[[], list[Any]]:
+    """The control plane's view of the job: its newest published step (read from disk on every call)."""
+    from scalarlm.checkpoint.publish import latest_step
+    from scalarlm.protocol.generate import ModelVersion
+
+    def models() -> list[Any]:
+        step = latest_step(job)
+        if step is None:
+            return [base]
+        return [base, ModelVersion(name=job.job_id, version=step, kind=kind, path=str(job.step_dir(step)))]
+
+    return models
+
+
+async def measure(kind: str, model: Any, engine: Any, settings: Any, home: Path, rounds: int) -> dict[str, float]:
+    """Median publish->serve seconds over `rounds` publishes of `model` (HF or PEFT), and its floor."""
+    import torch
+
+    from scalarlm.checkpoint.jobdir import JobDir
+    from scalarlm.checkpoint.publish import publish_step
+    from scalarlm.inference.pull_loop import PullLoop
+    from scalarlm.protocol.generate import ModelVersion
+    from scalarlm.protocol.training import CheckpointManifest
+    from scalarlm.queue.service import QueueService
+    from scalarlm.queue.store import RequestQueue
+
+    job = JobDir.under(home / "jobs", f"bench-{kind}")
+    base = ModelVersion(name=settings.base_model_name, version=0, kind="base", path=settings.model)
+    service = QueueService(RequestQueue(home / f"{kind}.sqlite", 300.0), models=_catalog(job, kind, base))
+    loop = PullLoop(engine, service, settings, worker_id=f"bench-{kind}")
+    loop.start()
+    params = [p for n, p in model.named_parameters() if kind == "full" or "lora_" in n]
+    latencies, writes = [], []
+    try:
+        for step in range(1, rounds + 1):
+            with torch.no_grad():  # the "optimizer step"
+                for p in params:
+                    p.add_(0.01 * torch.randn_like(p))
+            manifest = CheckpointManifest(job_id=job.job_id, step=step, base_model=settings.model, kind=kind)
+            start = time.perf_counter()
+            publish_step(job, manifest, lambda d: model.save_pretrained(d))
+            written = time.perf_counter()
+            while True:
+                batch = await service.enqueue([{"prompt": "Hello", "sampling": {"max_tokens": 1}}], model=job.job_id)
+                result = (await service.wait_results(batch.request_ids, 120.0))[0]
+                if result.error:
+                    raise RuntimeError(f"{kind} request failed: {result.error}")
+                if result.version == step:
+                    break
+            latencies.append(time.perf_counter() - start)
+            writes.append(written - start)
+    finally:
+        await loop.stop()
+        service.close()
+    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    if kind == "lora":
+        from peft import get_peft_model_state_dict
+
+        state = {k: v.detach().contiguous().clone() for k, v in get_peft_model_state_dict(model).items()}
+    floor = floor_seconds(state, home)
+    latency = statistics.median(latencies)
+    megabytes = sum(t.numel() * t.element_size() for t in state.values()) / 1e6
+    print(f"{kind}: {megabytes:.1f} MB, publish->serve {latency:.3f}s (write {statistics.median(writes):.3f}s), "
+          f"floor {floor:.3f}s, ratio {latency / floor:.2f}; swaps {engine.load.swaps}")
+    return {"latency": latency, "floor": floor}
+
+
+async def run(rounds: int) -> dict[str, float]:
+    """Build the model and engine, measure full then LoRA."""
+    from scalarlm.inference.process_env import configure_vllm_process_env
+
+    configure_vllm_process_env()
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from scalarlm.cli.tiny_model import make_tiny_model
+    from scalarlm.config import Settings
+    from scalarlm.inference.engine import start_engine
+
+    with tempfile.TemporaryDirectory(dir=Path.cwd() / "build") as tmp:
+        home = Path(tmp)
+        base_dir = make_tiny_model(home / "base", hidden=512, layers=9, heads=8, vocab=1024, intermediate=2048)
+        settings = Settings(
+            model=str(base_dir), served_model_name="base", home=home / "home",
+            engine={"dtype": "float32", "kv_cache_bytes": 1 << 30, "max_model_len": 512, "max_num_seqs": 32,
+                    "enforce_eager": True, "enable_lora": True, "max_loras": 4, "max_lora_rank": 8},
+        )  # fmt: skip
+        engine = start_engine(settings)
+        try:
+            full_model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+            params = sum(p.numel() for p in full_model.parameters())
+            print(f"model: {params / 1e6:.1f}M params")
+            full = await measure("full", full_model, engine, settings, home, rounds)
+            del full_model
+            lora_base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+            lora_model = get_peft_model(lora_base, LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS))
+            lora = await measure("lora", lora_model, engine, settings, home, rounds)
+        finally:
+            engine.shutdown()
+    return {
+        "publish_to_serve_vs_floor_full": round(full["latency"] / full["floor"], 3),
+        "publish_to_serve_vs_floor_lora": round(lora["latency"] / lora["floor"], 3),
+        "publish_to_serve_seconds_full": round(full["latency"], 4),
+        "publish_to_serve_seconds_lora": round(lora["latency"], 4),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=5)
+    args, _ = parser.parse_known_args()
+    for key, value in ENGINE_ENV.items():
+        os.environ.setdefault(key, value)
+    (Path.cwd() / "build").mkdir(exist_ok=True)
+    figures = asyncio.run(run(args.rounds))
+    for key, value in figures.items():
+        print(f"{key}={value}")
+    merge_results(figures)
+
+
+if __name__ == "__main__":
+    main()
