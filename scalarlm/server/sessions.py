@@ -25,6 +25,7 @@ from scalarlm.protocol.training import (
     SessionResponse,
     SessionStepRequest,
     SessionStepResponse,
+    SessionStepResult,
     TrainJobConfig,
 )
 from scalarlm.server.jobs import TrainingJobs, new_job_id, parse_train_args
@@ -140,13 +141,16 @@ class RLSessions:
             loss=result.loss, metrics=result.metrics,
         )  # fmt: skip
 
-    async def _wait_result(self, job: JobDir, files: SessionDir, k: int, wait_seconds: float):  # type: ignore[no-untyped-def]
+    async def _wait_result(self, job: JobDir, files: SessionDir, k: int, wait_seconds: float) -> SessionStepResult:
+        """Poll for result-<k> every 20 ms; fail fast when the trainer has ended, or after `wait_seconds`."""
         deadline = time.monotonic() + wait_seconds
         next_status = time.monotonic() + STATUS_POLL_SECONDS
         path = files.result_path(k)
         while True:
             if path.exists():
-                return await asyncio.to_thread(files.read_result, k)
+                result = await asyncio.to_thread(files.read_result, k)
+                if result is not None:
+                    return result
             now = time.monotonic()
             if now >= next_status:
                 next_status = now + STATUS_POLL_SECONDS
