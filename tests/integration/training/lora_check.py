@@ -3,7 +3,8 @@
 Builds the megatron model of the given HF model directory on this rank's TP shard, attaches LoRA on every
 projection with random (non-zero) A and B, exports the adapter in PEFT format to the given output directory and
 prints one JSON line (rank 0): `max_diff` = max |logits(megatron + LoRA) - logits(HF base + PEFT adapter)|, and
-`base_diff` (adapters disabled vs the plain HF base).
+`base_diff` (adapters disabled vs the plain HF base), and `grad_norms` of every adapter tensor for a fixed
+objective after the trainer's TP all-reduce (TP=2 must equal TP=1).
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ def check(model_dir: Path, out: Path, par) -> dict:
         ours = model(ids, pos, causal)
         with lora.adapters_disabled(model):
             ours_base = model(ids, pos, causal)
+    # Gradients of the adapters for a fixed objective, summed over TP as the trainer does before its step.
+    target = torch.randn(ours.shape, generator=torch.Generator().manual_seed(3))
+    (model(ids, pos, causal) * target).sum().backward()
+    lora.allreduce_lora_grads(model, par.tp_group, par.tp_size)
+    grads = {n: p.grad.norm().item() for n, p in model.named_parameters() if p.requires_grad}
     if not par.is_main:
         dist.barrier()
         return {}
@@ -64,6 +70,7 @@ def check(model_dir: Path, out: Path, par) -> dict:
         "max_diff": (ours - theirs).abs().max().item(),
         "base_diff": (ours_base - plain).abs().max().item(),
         "lora_effect": (theirs - plain).abs().max().item(),
+        "grad_norms": grads,
     }
 
 

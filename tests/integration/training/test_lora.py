@@ -51,15 +51,26 @@ def _assert_matches_peft(result: dict, tp: int) -> None:
     assert result["lora_effect"] > 0.1, result  # the adapter really changes the logits
 
 
-def test_megatron_lora_logits_match_peft(gqa_model: Path, tmp_path: Path) -> None:
-    _assert_matches_peft(_result([sys.executable, str(HERE / "lora_check.py"), "1", str(gqa_model), str(tmp_path)]), 1)
+@pytest.fixture(scope="module")
+def tp1(gqa_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("adapter-tp1")
+    return _result([sys.executable, str(HERE / "lora_check.py"), "1", str(gqa_model), str(out)])
+
+
+def test_megatron_lora_logits_match_peft(tp1: dict) -> None:
+    _assert_matches_peft(tp1, 1)
+    assert len(tp1["grad_norms"]) == 2 * 7 * 2 and all(g > 0 for g in tp1["grad_norms"].values())
 
 
 @pytest.mark.slow
-def test_megatron_lora_logits_match_peft_at_tp2(gqa_model: Path, tmp_path: Path) -> None:
+def test_megatron_lora_at_tp2_matches_peft_and_tp1_gradients(gqa_model: Path, tmp_path: Path, tp1: dict) -> None:
     require_mpirun()
     command = ["mpirun", "-n", "2", "--oversubscribe", sys.executable, str(HERE / "lora_check.py"), "2"]
-    _assert_matches_peft(_result(command + [str(gqa_model), str(tmp_path)]), 2)
+    tp2 = _result(command + [str(gqa_model), str(tmp_path)])
+    _assert_matches_peft(tp2, 2)
+    assert tp2["grad_norms"].keys() == tp1["grad_norms"].keys()
+    for name, g in tp1["grad_norms"].items():
+        assert tp2["grad_norms"][name] == pytest.approx(g, rel=1e-4), name
 
 
 @pytest.fixture(scope="module")
