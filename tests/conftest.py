@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -13,3 +17,36 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from scalarlm.cli.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Pids (other than ours) whose command line contains `text`."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_process_outlives_the_suite(tmp_path_factory: pytest.TempPathFactory):
+    """Trainers and servers started by tests run in their own sessions by design (they survive a control-plane
+    restart); at the end of the suite, stop whatever still runs on this run's temp directories."""
+    yield
+    base = str(tmp_path_factory.getbasetemp())
+    pids = _processes_mentioning(base)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.time() + 10
+    while time.time() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
+        time.sleep(0.2)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
