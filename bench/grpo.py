@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import httpx
 
 from bench.common import ROOT, Process, free_port, merge_results, python
 from bench.training import make_model
@@ -30,6 +34,7 @@ GROUP = 8
 COMPLETION = 16
 LR = 5e-5
 CLIP = 0.2
+START_SECONDS = 900
 
 
 def prompts(n: int = 64, seed: int = 0) -> list[str]:
@@ -70,7 +75,7 @@ def run_trl(model: Path, steps: int, out_dir: Path) -> dict:
     def reward(completions, **kwargs):
         scores = [digit_frac(c) for c in completions]
         rewards.append(statistics.fmean(scores))
-        lengths.extend(len(tokenizer(c, add_special_tokens=False)["input_ids"]) for c in completions)
+        lengths.extend(len(ids) for ids in kwargs["completion_ids"])  # generated tokens, not re-tokenized text
         return scores
 
     class StepClock(TrainerCallback):
@@ -90,14 +95,24 @@ def run_trl(model: Path, steps: int, out_dir: Path) -> dict:
             "mean_completion_tokens": statistics.fmean(lengths)}  # fmt: skip
 
 
-def trl_side(model: Path, steps: int, work: Path, timeout: float) -> dict:
-    log, result = work / "trl.log", work / "trl.json"
-    with open(log, "w") as out, open(result, "w") as res:  # files, so a timed-out run still leaves its log
-        rc = subprocess.run([python(), "-m", "bench.grpo", "--trl", "--model", str(model), "--steps", str(steps),
-                             "--work", str(work)], cwd=ROOT, stdout=res, stderr=out, timeout=timeout).returncode  # fmt: skip
+def start_trl(model: Path, steps: int, work: Path) -> subprocess.Popen:
+    """Start the TRL side in a fresh process; its JSON goes to trl.json, its log to trl.log."""
+    return subprocess.Popen([python(), "-m", "bench.grpo", "--trl", "--model", str(model), "--steps", str(steps),
+                             "--work", str(work)], cwd=ROOT, stdout=open(work / "trl.json", "w"),
+                            stderr=open(work / "trl.log", "w"), start_new_session=True)  # fmt: skip
+
+
+def finish_trl(proc: subprocess.Popen, work: Path, timeout: float) -> dict:
+    """Wait for the TRL side (killed after `timeout` s) and read its result."""
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
     if rc != 0:
-        raise RuntimeError(f"TRL GRPO exited with {rc}; see {log}")
-    return json.loads(result.read_text().strip().splitlines()[-1])
+        raise RuntimeError(f"TRL GRPO exited with {rc}; see {work / 'trl.log'}")
+    return json.loads((work / "trl.json").read_text().strip().splitlines()[-1])
 
 
 # --- ours: scalarlm serve + client generate + client-side reward + RL session step ---
@@ -113,6 +128,27 @@ def session_missing() -> str | None:
     return None
 
 
+class SlowStart(Process):
+    """`Process` that waits up to START_SECONDS for health (vLLM start-up on a loaded 2-core box can pass 5 min)."""
+
+    def __enter__(self) -> "SlowStart":
+        out = open(self.log, "w") if self.log else subprocess.DEVNULL
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + START_SECONDS
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"scalarlm serve exited with {self.proc.returncode}; see {self.log}")
+            try:
+                r = httpx.get(self.health_url, timeout=2)
+                if r.status_code == 200 and r.json().get("all", "up") == "up":
+                    return self
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+        self.__exit__()
+        raise TimeoutError(f"{self.health_url} not healthy after {START_SECONDS} s")
+
+
 def ours_side(model: Path, steps: int, work: Path) -> dict:
     """Our GRPO loop against a real `scalarlm serve` on the same model; per-step times and mean rewards."""
     import scalarlm
@@ -126,7 +162,7 @@ def ours_side(model: Path, steps: int, work: Path) -> dict:
     lengths: list[int] = []
     ends: list[float] = []
     parts: list[dict] = []
-    with Process(argv, f"http://127.0.0.1:{port}/v1/health", log=work / "scalarlm-serve.log"):
+    with SlowStart(argv, f"http://127.0.0.1:{port}/v1/health", log=work / "scalarlm-serve.log"):
         llm = scalarlm.ScalarLM(api_url=f"http://127.0.0.1:{port}", timeout=600)
         train_args = {"adapter_type": "full", "loss": "grpo", "learning_rate": LR, "clip_eps": CLIP, "kl_coef": 0.0,
                       "max_seq_len": 128, "dtype": "float32", "lr_schedule": "constant", "batch_size": 1}  # fmt: skip
@@ -168,6 +204,7 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=ROOT / "build" / "bench" / "model-40m")
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--timeout", type=float, default=900, help="seconds allowed to the TRL side")
+    ap.add_argument("--concurrent", action="store_true", help="run the TRL side at the same time as ours")
     ap.add_argument("--trl", action="store_true", help="run only the TRL side in this process (internal)")
     args = ap.parse_args()
     if args.trl:
@@ -177,8 +214,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-grpo-", dir=ROOT / "build" / "bench"))
     print(f"model {model}; {PROMPTS_PER_STEP} prompts x {GROUP} completions x <= {COMPLETION} tokens per step, "
           f"{args.steps} steps; work {work}")  # fmt: skip
-    ap_timeout = args.timeout
     figures: dict = {"grpo_step_vs_trl": None}
+    if args.concurrent:  # a loaded box: run both sides in the same window so they see the same contention
+        trl_proc = start_trl(model, args.steps, work)
     ours = trl = None
     why = session_missing()
     if why is None:
@@ -197,7 +235,9 @@ def main() -> None:
         print(f"ours: MISSING, not measured: {why}")
     before = load()
     try:
-        trl = trl_side(model, args.steps, work, ap_timeout)
+        if not args.concurrent:
+            trl_proc = start_trl(model, args.steps, work)
+        trl = finish_trl(trl_proc, work, args.timeout)
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         print(f"TRL GRPOTrainer: MISSING, not measured: {e}")
     if trl is not None:
@@ -212,6 +252,7 @@ def main() -> None:
         print("grpo_step_vs_trl: MISSING (one side was not measured; no ratio recorded)")
     merge_results(figures)
     print(json.dumps(figures))
+
 
 if __name__ == "__main__":
     sys.stdout.reconfigure(line_buffering=True)
