@@ -139,15 +139,20 @@ class QueueService:
         """Re-check (in a thread) on every finish_work and every `recheck_interval`, until true or timeout."""
         deadline = time.monotonic() + timeout
         while True:
+            # Take the event before checking, so a finish_work landing during the check still wakes us.
+            changed: asyncio.Event = self._results_changed
             if await asyncio.to_thread(check):
                 return True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            await self._wait_event("_results_changed", min(remaining, self.recheck_interval))
+            await self._wait_for(changed, min(remaining, self.recheck_interval))
 
     async def _wait_event(self, name: str, timeout: float) -> None:
-        event: asyncio.Event = getattr(self, name)
+        await self._wait_for(getattr(self, name), timeout)
+
+    @staticmethod
+    async def _wait_for(event: asyncio.Event, timeout: float) -> None:
         try:
             await asyncio.wait_for(event.wait(), timeout)
         except TimeoutError:
