@@ -60,6 +60,7 @@ class Process:
         deadline = time.time() + 300
         while time.time() < deadline:
             if self.proc.poll() is not None:
+                self.__exit__(None, None, None)
                 raise RuntimeError(f"{self.argv[:4]} exited with {self.proc.returncode}; see {self.log}")
             try:
                 r = httpx.get(self.health_url, timeout=2)
@@ -68,6 +69,7 @@ class Process:
             except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(0.5)
+        self.__exit__(None, None, None)
         raise TimeoutError(f"{self.health_url} not healthy after 300 s")
 
     @property
