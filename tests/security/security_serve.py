@@ -60,8 +60,6 @@ def serve(args: list[str], home: Path, env: dict[str, str] | None = None, need_e
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        # Trainers outlive their control plane by design; this test's ones must not outlive the test.
-        subprocess.run(["pkill", "-KILL", "-f", str(home)], check=False)
 
 
 def rss_bytes(pid: int) -> int:

@@ -6,6 +6,7 @@ once with a valid key and once without: no answer may be a 5xx (except the OpenA
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +32,8 @@ def api_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     env = {"SCALARLM_API_KEYS": KEY, "SCALARLM_RESPONSE_TIMEOUT": "0.2", "SCALARLM_GENERATE__MAX_WAIT_SECONDS": "0.5"}
     with serve(["--role", "api", "--model", str(tiny_model_dir)], home, env) as (url, _, _):
         yield url
+    # Fuzzed requests may start trainers (RL sessions wait for steps); they must not outlive this module.
+    subprocess.run(["pkill", "-KILL", "-f", str(home)], check=False)
 
 
 def check(case, response, with_key: bool) -> None:
