@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,11 @@ from scalarlm.protocol.training import JobStatus, TrainJobConfig, check_name
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write `text` so a reader sees the old file or the new one, never half of it."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
+    # A unique temp name per call: two writers (threads or processes) never share one.
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(name)
+    os.fchmod(fd, 0o644)  # readable by every role sharing the volume, like a plainly created file
+    with os.fdopen(fd, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
