@@ -26,7 +26,7 @@ FULL_ARGS = {"max_steps": 40, "learning_rate": 1e-2, "adapter_type": "full", "st
 
 
 def greedy(llm: scalarlm.ScalarLM, model: str | None) -> list[GenerateResult]:
-    return llm.generate([f["input"] for f in FACTS], model_name=model, max_tokens=2, temperature=0,
+    return llm.generate([f["input"] for f in FACTS], model_name=model, max_tokens=8, temperature=0,
                         return_details=True)  # fmt: skip
 
 
