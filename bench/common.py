@@ -64,7 +64,8 @@ class Process:
                 raise RuntimeError(f"{self.argv[:4]} exited with {self.proc.returncode}; see {self.log}")
             try:
                 r = httpx.get(self.health_url, timeout=2)
-                if r.status_code == 200 and r.json().get("all", "up") == "up":
+                # vLLM's /health answers 200 with an empty body; ours answers {"all": "up", ...}.
+                if r.status_code == 200 and (not r.content or r.json().get("all") == "up"):
                     return self
             except (httpx.HTTPError, ValueError):
                 pass
