@@ -6,20 +6,20 @@ same jobs, and `reconciling()` settles jobs whose processes died (on start and e
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import secrets
 import shutil
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import Mapping
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
+from scalarlm.server.periodic import every
 from scalarlm.checkpoint import JobDir, latest_step, list_steps, read_manifest
 from scalarlm.config import Settings
 from scalarlm.launcher import (
@@ -280,24 +280,6 @@ class TrainingJobs:
         with self._lock:
             return reconcile(self.settings.jobs_dir, self.launchers)
 
-    @asynccontextmanager
-    async def reconciling(self) -> AsyncIterator[None]:
+    def reconciling(self) -> AbstractAsyncContextManager[None]:
         """Reconcile once now (a restarted control plane) and then every `training.poll_seconds`."""
-        await asyncio.to_thread(self.reconcile)
-        task = asyncio.create_task(self._reconcile_forever())
-        try:
-            yield
-        finally:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-
-    async def _reconcile_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.training.poll_seconds)
-            try:
-                await asyncio.to_thread(self.reconcile)
-            except (OSError, ScalarLMError) as e:  # a transient file or SLURM error must not end the loop
-                logger.warning("reconcile failed: %s", e)
+        return every(self.settings.training.poll_seconds, self.reconcile, "reconcile", (OSError, ScalarLMError))

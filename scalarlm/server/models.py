@@ -9,14 +9,13 @@ which feeds every get_work reply.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
+from scalarlm.server.periodic import every
 from scalarlm.checkpoint import JobDir, latest_step, read_manifest
 from scalarlm.config import Settings
 from scalarlm.protocol.errors import NotFound
@@ -167,24 +166,6 @@ class ModelCatalog:
                 del self._trained[gone]
                 self._seen.pop(gone, None)
 
-    @asynccontextmanager
-    async def polling(self) -> AsyncIterator[None]:
+    def polling(self) -> AbstractAsyncContextManager[None]:
         """Refresh now and then every `training.poll_seconds` (the fallback when a notice is lost)."""
-        await asyncio.to_thread(self.refresh)
-        task = asyncio.create_task(self._poll_forever())
-        try:
-            yield
-        finally:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-
-    async def _poll_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.poll_seconds)
-            try:
-                await asyncio.to_thread(self.refresh)
-            except OSError as e:  # a transient file error must not end the poll
-                logger.warning("catalog poll failed: %s", e)
+        return every(self.poll_seconds, self.refresh, "catalog poll")
