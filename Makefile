@@ -15,6 +15,7 @@ $(TINY)/config.json: | install
 
 demo: install $(TINY)/config.json
 	$(PY) examples/demo.py --model $(TINY)
+	$(PY) examples/rl_arithmetic.py --short --model $(TINY)
 
 test: install
 	$(PY) -m pytest -q --timeout=900 tests
