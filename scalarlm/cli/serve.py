@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
 from typing import Any
 
 from scalarlm.config import Settings
@@ -53,6 +54,27 @@ def build_app(settings: Settings) -> Any:
     return create_app(settings, worker=InProcessWorker(settings))
 
 
+def bind_listener(host: str, port: int) -> socket.socket:
+    """Bind the listening socket before anything else is built, so `port` 0 becomes a known port.
+
+    Not inheritable: a trainer this server starts must not keep the port open after the server exits.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def with_bound_port(settings: Settings, port: int) -> Settings:
+    """The one Settings object with `server.port` set to the port actually bound (trainers are told this URL)."""
+    return settings.model_copy(update={"server": settings.server.model_copy(update={"port": port})})
+
+
 def serve(settings: Settings) -> int:
     """Run the role named in settings until SIGTERM/SIGINT; return the exit status."""
     logging.getLogger().setLevel(settings.log_level.upper())
@@ -70,6 +92,8 @@ def serve(settings: Settings) -> int:
 
     from scalarlm.server.shutdown import GracefulServer
 
+    listener = bind_listener(settings.server.host, settings.server.port)
+    settings = with_bound_port(settings, listener.getsockname()[1])
     app = build_app(settings)
     logger.info("serving %s (%s) on http://%s:%d", settings.model, settings.server.role,
                 settings.server.host, settings.server.port)
@@ -81,5 +105,5 @@ def serve(settings: Settings) -> int:
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
     )
     # SIGTERM: 503 to new requests while in-flight ones finish (at most shutdown_seconds), then exit.
-    GracefulServer(config, app.state.drain, settings.server.shutdown_seconds).run()
+    GracefulServer(config, app.state.drain, settings.server.shutdown_seconds).run(sockets=[listener])
     return 0

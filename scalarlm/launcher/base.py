@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import socket
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
@@ -11,7 +13,7 @@ from pydantic import BaseModel, Field
 
 from scalarlm.checkpoint import JobDir
 from scalarlm.checkpoint.jobdir import atomic_write_text
-from scalarlm.config import Settings
+from scalarlm.config import ServerSettings, Settings
 from scalarlm.protocol.training import TrainJobConfig
 
 RunState = Literal["running", "finished", "unknown"]
@@ -106,18 +108,54 @@ def log_path(job: JobDir) -> Path:
 
 
 NOTIFY_ENV = "SCALARLM_NOTIFY_URL"
+# The control plane's internal notify key: the trainer's only credential, valid on /v1/internal/published alone.
+NOTIFY_KEY_ENV = "SCALARLM_NOTIFY_KEY"
+NOTIFY_KEY_FILE = Path("internal") / "notify.key"
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+_DEFAULT_API_URL = ServerSettings.model_fields["api_url"].default
 
 
-def notify_url(settings: Settings) -> str | None:
-    """Where a trainer announces published steps: the API URL in split mode, this server's own URL when embedded."""
+def notify_url(settings: Settings, *, remote: bool = False) -> str | None:
+    """Where a trainer announces published steps: this server's own listener for a trainer on this machine.
+
+    `server.port` is the port actually bound (`scalarlm serve` binds first and records it, so `--port 0` works).
+    A `remote` trainer (SLURM, another node) uses a split-mode control plane's configured `api_url` (the cluster
+    address workers use too), else this host's name when listening on every interface. None: no URL is known
+    (an app run without `scalarlm serve` on port 0); the catalog's file poll picks the steps up.
+    """
     server = settings.server
-    if server.role == "api":
+    if remote and server.role == "api" and server.api_url.rstrip("/") != _DEFAULT_API_URL:
         return server.api_url.rstrip("/")
     if server.port == 0:
-        return None  # an ephemeral port is not known here; the catalog's file poll picks steps up
+        return None
     host = server.host
-    if host in ("0.0.0.0", "::", ""):
-        host = "127.0.0.1"
+    if host in _WILDCARD_HOSTS:
+        host = socket.gethostname() if remote else "127.0.0.1"
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"http://{host}:{server.port}"
+
+
+def notify_key(home: Path) -> str:
+    """The internal notify key in `home/internal/notify.key`: created once (0600 in a 0700 directory), then reused,
+    so trainers launched before a restart of the control plane still authenticate."""
+    path = home / NOTIFY_KEY_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
+    if not path.exists():
+        # Write a private temp file, then link it into place: a reader never sees an empty key, and of two
+        # processes creating it at once, one key wins and both return it.
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_urlsafe(32) + "\n")
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    if path.stat().st_mode & 0o077:
+        os.chmod(path, 0o600)
+    return path.read_text().strip()

@@ -17,9 +17,11 @@ from scalarlm.checkpoint import JobDir
 from scalarlm.config import Settings
 from scalarlm.launcher.base import (
     NOTIFY_ENV,
+    NOTIFY_KEY_ENV,
     LaunchRecord,
     RunState,
     log_path,
+    notify_key,
     notify_url,
     read_logs,
     read_record,
@@ -77,7 +79,7 @@ class LocalLauncher:
         for var in ("MASTER_ADDR", "MASTER_PORT", "PYTHONPATH"):
             cmd += ["-x", var]
         if notify_url(self.settings) is not None:
-            cmd += ["-x", NOTIFY_ENV]
+            cmd += ["-x", NOTIFY_ENV, "-x", NOTIFY_KEY_ENV]  # names only: the key stays out of argv and the record
         return cmd + trainer
 
     def _environment(self) -> dict[str, str]:
@@ -86,9 +88,12 @@ class LocalLauncher:
         env["MASTER_ADDR"] = "127.0.0.1"
         env["MASTER_PORT"] = str(free_port())
         env["PYTHONUNBUFFERED"] = "1"
+        for name in (NOTIFY_ENV, NOTIFY_KEY_ENV):  # never inherited from this process
+            env.pop(name, None)
         url = notify_url(self.settings)
         if url is not None:
             env[NOTIFY_ENV] = url  # the trainer announces each published step there (best effort)
+            env[NOTIFY_KEY_ENV] = notify_key(self.settings.home)  # valid on that one route only
         if os.geteuid() == 0:  # Open MPI refuses root without these
             env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
             env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"

@@ -11,6 +11,12 @@ from scalarlm.config import Settings
 from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.protocol.training import TrainJobConfig
 
+# The notify URL and key reach the ranks through sbatch's own environment, so the key is in no file.
+NOTIFY_NOTE = (
+    "# SCALARLM_NOTIFY_URL and SCALARLM_NOTIFY_KEY (the control plane's internal key, valid only for announcing\n"
+    "# published steps) come from sbatch's environment (--export=ALL); the key is deliberately not in this file."
+)
+
 # Seconds before the time limit at which SLURM sends SIGTERM so the trainer saves its state.
 SIGNAL_LEAD_SECONDS = 120
 
@@ -26,6 +32,7 @@ ${task_lines}
 #SBATCH --chdir=${chdir}
 #SBATCH --export=ALL
 # scalarlm job ${job_id}: ${ranks} ranks, tensor_parallel_size=${tp}, data_parallel_size=${dp}
+${notify_note}
 
 set -u
 export MASTER_ADDR="$$(scontrol show hostnames "$$SLURM_JOB_NODELIST" | head -n 1)"
@@ -85,9 +92,13 @@ def resources(config: TrainJobConfig, settings: Settings) -> Resources:
 
 def render_sbatch(
     config: TrainJobConfig, settings: Settings, *, job_root: str, log: str, python: str,
-    entry: list[str], launch: str = "srun", port: int = 29500,
+    entry: list[str], launch: str = "srun", port: int = 29500, notify: bool = False,
 ) -> str:  # fmt: skip
-    """The sbatch script text; `launch` is 'srun' (srun --mpi=pmix) or 'mpirun'."""
+    """The sbatch script text; `launch` is 'srun' (srun --mpi=pmix) or 'mpirun'.
+
+    `notify`: sbatch's environment holds SCALARLM_NOTIFY_URL/KEY (see SlurmLauncher.sbatch_environment); srun
+    passes them on by itself, mpirun is told to. The key is never written into the script.
+    """
     res = resources(config, settings)
     if res.gpus_per_node:
         task_lines = f"#SBATCH --ntasks-per-node={res.tasks_per_node}\n#SBATCH --gres=gpu:{res.gpus_per_node}"
@@ -101,6 +112,8 @@ def render_sbatch(
         )
     elif launch == "mpirun":
         launcher = f"mpirun -n {res.ranks} --bind-to none -x MASTER_ADDR -x MASTER_PORT"
+        if notify:
+            launcher += " -x SCALARLM_NOTIFY_URL -x SCALARLM_NOTIFY_KEY"
     else:
         raise ValueError(f"launch must be 'srun' or 'mpirun', not {launch!r}")
     tp = config.train_args.tensor_parallel_size
@@ -118,4 +131,5 @@ def render_sbatch(
         port=port,
         launch=launcher,
         trainer=shlex.join([python, *entry, job_root]),
+        notify_note=NOTIFY_NOTE if notify else "# the trainer announces no steps (no notify URL); the file poll finds them",
     )

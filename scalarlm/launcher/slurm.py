@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -10,7 +11,19 @@ from collections.abc import Sequence
 
 from scalarlm.checkpoint import JobDir
 from scalarlm.config import Settings
-from scalarlm.launcher.base import LaunchRecord, RunState, log_path, read_logs, read_record, request_cancel, write_record
+from scalarlm.launcher.base import (
+    NOTIFY_ENV,
+    NOTIFY_KEY_ENV,
+    LaunchRecord,
+    RunState,
+    log_path,
+    notify_key,
+    notify_url,
+    read_logs,
+    read_record,
+    request_cancel,
+    write_record,
+)
 from scalarlm.launcher.local import TRAINER_ENTRY, free_port, mark_cancelled
 from scalarlm.launcher.sbatch_script import render_sbatch
 from scalarlm.protocol.errors import EngineUnavailable
@@ -50,11 +63,26 @@ class SlurmLauncher:
         return render_sbatch(
             config, self.settings, job_root=str(job.root), log=str(log_path(job)), python=self.python,
             entry=self.entry, launch=self.launch, port=free_port(),
+            notify=notify_url(self.settings, remote=True) is not None,
         )  # fmt: skip
 
-    def _run(self, *cmd: str) -> subprocess.CompletedProcess[str]:
+    def sbatch_environment(self) -> dict[str, str]:
+        """sbatch's environment: ours plus the notify URL and key, which `--export=ALL` hands to every rank.
+
+        The key travels this way, never in the script file (which any reader of the job directory could see).
+        """
+        env = dict(os.environ)
+        for name in (NOTIFY_ENV, NOTIFY_KEY_ENV):  # never inherited from this process
+            env.pop(name, None)
+        url = notify_url(self.settings, remote=True)
+        if url is not None:
+            env[NOTIFY_ENV] = url
+            env[NOTIFY_KEY_ENV] = notify_key(self.settings.home)
+        return env
+
+    def _run(self, *cmd: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
         try:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
         except FileNotFoundError as e:
             raise EngineUnavailable(f"SLURM command {cmd[0]!r} is not installed") from e
         except subprocess.TimeoutExpired as e:
@@ -65,7 +93,7 @@ class SlurmLauncher:
         job.logs_dir.mkdir(parents=True, exist_ok=True)
         path = job.root / SBATCH_FILE
         path.write_text(self.script(job, config))
-        done = self._run("sbatch", "--parsable", str(path))
+        done = self._run("sbatch", "--parsable", "--export=ALL", str(path), env=self.sbatch_environment())
         if done.returncode != 0:
             raise EngineUnavailable(f"sbatch failed: {done.stderr.strip() or done.stdout.strip()}")
         slurm_id = done.stdout.strip().split(";")[0]

@@ -27,6 +27,7 @@ from scalarlm.server.models import ModelCatalog
 from scalarlm.server.prompt_check import PromptChecker
 from scalarlm.server.remote_backend import RemoteBackend
 from scalarlm.server.jobs import TrainingJobs
+from scalarlm.launcher.base import notify_key
 from scalarlm.server.limits import KeyUsage
 from scalarlm.server.shutdown import Drain, DrainMiddleware
 from scalarlm.server.routers import catalog, generate, health, metrics, openai, sessions, training
@@ -56,7 +57,8 @@ def create_app(settings: Settings, worker: EmbeddedWorker | None = None) -> Fast
     app.state.server = state
     app.state.training = TrainingJobs(settings)
     app.state.sessions = RLSessions(app.state.training, state.catalog)
-    app.state.keys = KeyRing.load(settings.server.api_keys, settings.server.api_keys_file)
+    # Trainers announce published steps with the internal notify key the launchers hand them.
+    app.state.keys = KeyRing.load(settings.server.api_keys, settings.server.api_keys_file, notify_key(settings.home))
     app.state.usage = KeyUsage()
     app.state.drain = Drain()
     install_error_handlers(app)

@@ -10,6 +10,10 @@ compared digest to digest with `hmac.compare_digest` against every configured ke
 Scopes: `generate` (batch queue and OpenAI routes), `train` (/v1/megatron/*, /v1/train), `admin`
 (clear_queue, and the worker routes get_work/finish_work: a worker key is an operator's key, since a
 worker sees every prompt and writes every result).
+
+The control plane's own internal notify key (`$SCALARLM_HOME/internal/notify.key`, handed by the launchers to
+the trainers they start) holds only the `internal` scope, valid on /v1/internal/published alone; an `admin`
+key is accepted there too. `internal` cannot be given to a key in the keys file.
 """
 
 from __future__ import annotations
@@ -27,11 +31,12 @@ from scalarlm.protocol.errors import Forbidden, Unauthorized
 logger = logging.getLogger(__name__)
 
 SCOPES = frozenset({"generate", "train", "admin"})
+# The trainer's scope: announce published steps, nothing else. An admin key holds it implicitly.
+INTERNAL_SCOPE = "internal"
 
 # Routes (by their path template) needing a scope other than the one their prefix implies.
-_ADMIN_ROUTES = frozenset({
-    "/v1/generate/clear_queue", "/v1/generate/get_work", "/v1/generate/finish_work", "/v1/internal/published",
-})
+_ADMIN_ROUTES = frozenset({"/v1/generate/clear_queue", "/v1/generate/get_work", "/v1/generate/finish_work"})
+_INTERNAL_ROUTES = frozenset({"/v1/internal/published"})
 
 
 class KeyFileError(ValueError):
@@ -50,6 +55,10 @@ class ApiKey:
     @property
     def key_id(self) -> str:
         return self.digest.hex()[:12]
+
+    def allows(self, scope: str) -> bool:
+        """True when the key holds `scope` (an admin key also holds `internal`)."""
+        return scope in self.scopes or (scope == INTERNAL_SCOPE and "admin" in self.scopes)
 
 
 def digest(key: str) -> bytes:
@@ -80,14 +89,16 @@ def parse_key_line(line: str) -> ApiKey | None:
 
 
 class KeyRing:
-    """The configured keys, as digests; empty means authentication is off."""
+    """The configured keys, as digests; no operator key means authentication is off."""
 
-    def __init__(self, keys: list[ApiKey]) -> None:
+    def __init__(self, keys: list[ApiKey], internal_key: str | None = None) -> None:
         self.keys = keys
+        # Checked only when operator keys are configured: on its own it never turns authentication on.
+        self.internal = ApiKey(digest(internal_key), frozenset({INTERNAL_SCOPE})) if internal_key else None
 
     @classmethod
-    def load(cls, api_keys: list[str], keys_file: Path | None) -> "KeyRing":
-        """Keys from the settings list (full scope) and the keys file (scoped, with limits)."""
+    def load(cls, api_keys: list[str], keys_file: Path | None, internal_key: str | None = None) -> "KeyRing":
+        """Keys from the settings list (full scope), the keys file (scoped, with limits) and the internal notify key."""
         keys = [ApiKey(digest(k), SCOPES) for k in api_keys if k]
         if keys_file is not None:
             for number, line in enumerate(keys_file.read_text().splitlines(), 1):
@@ -97,7 +108,7 @@ class KeyRing:
                     raise KeyFileError(f"{keys_file}:{number}: {e}") from None
                 if parsed is not None:
                     keys.append(parsed)
-        return cls(keys)
+        return cls(keys, internal_key)
 
     @property
     def enabled(self) -> bool:
@@ -107,7 +118,7 @@ class KeyRing:
         """The key whose digest equals the token's; every key is compared, so timing reveals nothing."""
         presented = digest(token)
         found = None
-        for key in self.keys:
+        for key in [*self.keys, *([self.internal] if self.internal else [])]:
             if hmac.compare_digest(presented, key.digest):
                 found = key
         return found
@@ -115,6 +126,8 @@ class KeyRing:
 
 def required_scope(path_template: str) -> str:
     """The scope a route needs, from its path template."""
+    if path_template in _INTERNAL_ROUTES:
+        return INTERNAL_SCOPE
     if path_template in _ADMIN_ROUTES:
         return "admin"
     if path_template.startswith(("/v1/megatron", "/v1/train")):
@@ -139,7 +152,7 @@ def require_api_key(request: Request) -> None:
         raise Unauthorized("invalid API key", param="authorization")
     route = request.scope.get("route")
     scope = required_scope(getattr(route, "path", request.url.path))
-    if scope not in key.scopes:
+    if not key.allows(scope):
         logger.info("key %s lacks scope %r for %s", key.key_id, scope, request.url.path)
         raise Forbidden(f"this API key lacks the {scope!r} scope", param="authorization")
     request.state.api_key = key
