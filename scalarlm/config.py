@@ -85,6 +85,20 @@ class TrainingSettings(BaseModel):
     gpus_per_node: int = Field(0, ge=0)
     nodes: int = Field(1, ge=1)
     poll_seconds: float = Field(1.0, gt=0)
+    # An RL session whose client sends no step request for this long ends itself: state saved, status CANCELLED
+    # (resume it to continue). 0: never (the trainer waits for `end` or a cancel).
+    session_idle_seconds: float = Field(1800.0, ge=0)
+    # SIGTERM to the control plane: "checkpoint" asks each trainer it launched on this machine (local launcher:
+    # it would die with the container) to save its state and stop as QUEUED; "detach" leaves them running, to be
+    # re-adopted on restart. SLURM jobs always keep running.
+    on_shutdown: Literal["checkpoint", "detach"] = "checkpoint"
+    # How long a stopped (cancelled, shut down) trainer may take to save its state before SIGKILL.
+    stop_grace_seconds: float = Field(30.0, gt=0)
+    # On start (and every poll): "interrupted" relaunches the jobs a shutdown stopped, from their saved state;
+    # "all" also relaunches jobs whose trainer died without a final status (a crash), at most `max_resumes`
+    # times each; "none" reports both FAILED (POST /v1/megatron/resume/<job_id> continues one by hand).
+    resume: Literal["none", "interrupted", "all"] = "interrupted"
+    max_resumes: int = Field(3, ge=0)
 
 
 class Settings(BaseSettings):

@@ -27,6 +27,12 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+# Markers the control plane leaves for the trainer (rank 0 checks them every step): stop, save state, and end
+# CANCELLED (a user cancel) or QUEUED to be resumed (the control plane shutting down).
+CANCEL_FILE = "cancel.requested"
+SHUTDOWN_FILE = "shutdown.requested"
+
+
 class JobDir:
     """`$SCALARLM_HOME/jobs/<job_id>/` and what lives in it."""
 
@@ -69,6 +75,14 @@ class JobDir:
     @property
     def state_dir(self) -> Path:
         return self.root / "state"
+
+    @property
+    def cancel_marker(self) -> Path:
+        return self.root / CANCEL_FILE
+
+    @property
+    def shutdown_marker(self) -> Path:
+        return self.root / SHUTDOWN_FILE
 
     def step_dir(self, step: int) -> Path:
         return self.checkpoints_dir / f"step-{step}"

@@ -3,7 +3,7 @@
 The archive is a tar.gz holding `dataset.jsonlines` (no code is ever sent). Archives up to
 `SINGLE_POST_THRESHOLD` go in one multipart POST; larger ones through the chunked upload routes.
 `TrainingJob` / `AsyncTrainingJob` follow a job: `status()`, `wait()` with a progress bar,
-`metrics()`, `cancel()`; `plot()` writes a PNG loss curve.
+`metrics()`, `cancel()`, `resume()`; `plot()` writes a PNG loss curve.
 """
 
 from __future__ import annotations
@@ -134,6 +134,11 @@ def cancel_flow(job_id: str) -> Flow:
     return JobStatus.model_validate(body)
 
 
+def resume_flow(job_id: str) -> Flow:
+    body = yield Call("POST", f"/v1/megatron/resume/{job_id}")
+    return JobStatus.model_validate(body)
+
+
 def delete_flow(job_id: str) -> Flow:
     return (yield Call("POST", f"/v1/megatron/delete/{job_id}"))
 
@@ -230,6 +235,10 @@ class TrainingJob:
         """Stop the job (the trainer saves its state first)."""
         return self.client._run(cancel_flow(self.id))
 
+    def resume(self) -> JobStatus:
+        """Relaunch the FAILED or CANCELLED job from its saved state."""
+        return self.client._run(resume_flow(self.id))
+
     def delete(self) -> None:
         """Cancel the job if it runs and remove it from the server."""
         self.client._run(delete_flow(self.id))
@@ -272,6 +281,9 @@ class AsyncTrainingJob:
     async def cancel(self) -> JobStatus:
         return await self.client._run(cancel_flow(self.id))
 
+    async def resume(self) -> JobStatus:
+        return await self.client._run(resume_flow(self.id))
+
     async def delete(self) -> None:
         await self.client._run(delete_flow(self.id))
 
@@ -297,6 +309,10 @@ class TrainingMethods:
     def cancel(self, job: "str | TrainingJob") -> JobStatus:
         """Cancel a training job by id or handle (ScalarLM's `cancel(model_name)`)."""
         return self._run(cancel_flow(_job_id(job)))  # type: ignore[attr-defined]
+
+    def resume(self, job: "str | TrainingJob") -> JobStatus:
+        """Relaunch a FAILED or CANCELLED job from its saved state (Conflict if it runs or completed)."""
+        return self._run(resume_flow(_job_id(job)))  # type: ignore[attr-defined]
 
     def delete(self, job: "str | TrainingJob") -> dict[str, Any]:
         """Delete a training job by id or handle (ScalarLM's `delete(model_name)`)."""
@@ -325,6 +341,9 @@ class AsyncTrainingMethods:
 
     async def cancel(self, job: "str | AsyncTrainingJob") -> JobStatus:
         return await self._run(cancel_flow(_job_id(job)))  # type: ignore[attr-defined]
+
+    async def resume(self, job: "str | AsyncTrainingJob") -> JobStatus:
+        return await self._run(resume_flow(_job_id(job)))  # type: ignore[attr-defined]
 
     async def delete(self, job: "str | AsyncTrainingJob") -> dict[str, Any]:
         return await self._run(delete_flow(_job_id(job)))  # type: ignore[attr-defined]

@@ -9,7 +9,7 @@ from scalarlm.launcher.archive import copy_upload, extract_dataset
 from scalarlm.launcher.base import Launcher, LaunchRecord, RunState, cancel_requested, read_record
 from scalarlm.launcher.dataset import validate_rows
 from scalarlm.launcher.local import LocalLauncher, mark_cancelled
-from scalarlm.launcher.reconcile import reconcile, reconcile_job
+from scalarlm.launcher.reconcile import ResumePolicy, reconcile, reconcile_job, resume_job
 from scalarlm.launcher.slurm import SlurmLauncher
 
 
@@ -19,6 +19,7 @@ def default_launchers(settings: Settings) -> dict[str, Launcher]:
 
 
 __all__ = [
-    "Launcher", "LaunchRecord", "LocalLauncher", "RunState", "SlurmLauncher", "cancel_requested", "copy_upload",
-    "default_launchers", "extract_dataset", "mark_cancelled", "read_record", "reconcile", "reconcile_job", "validate_rows",
+    "Launcher", "LaunchRecord", "LocalLauncher", "ResumePolicy", "RunState", "SlurmLauncher", "cancel_requested",
+    "copy_upload", "default_launchers", "extract_dataset", "mark_cancelled", "read_record", "reconcile", "reconcile_job",
+    "resume_job", "validate_rows",
 ]  # fmt: skip

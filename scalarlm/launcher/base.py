@@ -6,6 +6,7 @@ import json
 import os
 import secrets
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
@@ -18,8 +19,6 @@ from scalarlm.protocol.training import TrainJobConfig
 
 RunState = Literal["running", "finished", "unknown"]
 
-# The trainer writes CANCELLED instead of FAILED on SIGTERM when this file exists.
-CANCEL_FILE = "cancel.requested"
 RECORD_FILE = "launcher.json"
 LAUNCHER_LOG = "launcher.log"
 
@@ -55,12 +54,22 @@ def read_record(job: JobDir) -> LaunchRecord | None:
 
 def cancel_requested(job: JobDir) -> bool:
     """True once a user asked to cancel the job."""
-    return (job.root / CANCEL_FILE).exists()
+    return job.cancel_marker.exists()
 
 
 def request_cancel(job: JobDir) -> None:
     """Leave the marker the trainer reads on SIGTERM (so it reports CANCELLED, not FAILED)."""
-    (job.root / CANCEL_FILE).write_text("cancel requested\n")
+    job.cancel_marker.write_text("cancel requested\n")
+
+
+def shutdown_requested(job: JobDir) -> bool:
+    """True while the job waits to be resumed after the control plane stopped it for its own shutdown."""
+    return job.shutdown_marker.exists()
+
+
+def request_shutdown_stop(job: JobDir) -> None:
+    """Leave the marker that makes the trainer save state and end QUEUED (to be resumed on restart)."""
+    job.shutdown_marker.write_text("stopped by the control plane's shutdown\n")
 
 
 def read_logs(job: JobDir, max_bytes: int = 1 << 20) -> str:
@@ -99,6 +108,11 @@ class Launcher(Protocol):
 
     def logs(self, job: JobDir) -> str:
         """The job's output so far."""
+        ...
+
+    def stop_for_shutdown(self, jobs: Sequence[JobDir]) -> list[str]:
+        """The control plane is shutting down: stop those of `jobs` that would die with it (state saved, status
+        QUEUED so a restarted control plane resumes them); return their ids."""
         ...
 
 

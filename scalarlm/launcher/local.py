@@ -26,6 +26,7 @@ from scalarlm.launcher.base import (
     read_logs,
     read_record,
     request_cancel,
+    request_shutdown_stop,
     write_record,
 )
 from scalarlm.launcher.process import is_alive, signal_group, start_ticks
@@ -55,12 +56,12 @@ class LocalLauncher:
         *,
         python: str = sys.executable,
         entry: Sequence[str] = TRAINER_ENTRY,
-        grace_seconds: float = 30.0,
+        grace_seconds: float | None = None,
     ) -> None:
         self.settings = settings
         self.python = python
         self.entry = list(entry)
-        self.grace_seconds = grace_seconds
+        self.grace_seconds = settings.training.stop_grace_seconds if grace_seconds is None else grace_seconds
         # Our own children, so their exit codes are known and they do not linger as zombies.
         self._children: dict[str, subprocess.Popen[bytes]] = {}
 
@@ -156,8 +157,35 @@ class LocalLauncher:
                 self._wait_gone(job, 10.0)
         mark_cancelled(job)
 
+    def stop_for_shutdown(self, jobs: Sequence[JobDir]) -> list[str]:
+        """Ask every job of `jobs` running here to save state and stop (it ends QUEUED, to be resumed); SIGKILL
+        whatever still runs after the grace period. Returns the ids of the jobs it stopped."""
+        running = [job for job in jobs if self.state(job)[0] == "running"]
+        for job in running:
+            request_shutdown_stop(job)  # rank 0 sees it at the next step boundary, even under mpirun
+            record = read_record(job)
+            # mpirun SIGKILLs its ranks 1 s after forwarding a SIGTERM, which may cut the save short: ranks of a
+            # multi-rank job stop through the marker alone.
+            if record is not None and record.pid is not None and not _is_mpirun(record.command):
+                signal_group(record.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_seconds
+        while time.monotonic() < deadline and any(self.state(job)[0] == "running" for job in running):
+            time.sleep(0.1)
+        for job in running:
+            record = read_record(job)
+            if record is not None and record.pid is not None and self.state(job)[0] == "running":
+                logger.warning("job %s: still running %.0f s after the stop request, sending SIGKILL", job.job_id,
+                               self.grace_seconds)  # fmt: skip
+                signal_group(record.pid, signal.SIGKILL)
+                self._wait_gone(job, 10.0)
+        return [job.job_id for job in running]
+
     def logs(self, job: JobDir) -> str:
         return read_logs(job)
+
+
+def _is_mpirun(command: Sequence[str]) -> bool:
+    return bool(command) and os.path.basename(command[0]) == "mpirun"
 
 
 def describe_exit(code: int) -> str:

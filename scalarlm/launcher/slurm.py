@@ -152,5 +152,9 @@ class SlurmLauncher:
                 time.sleep(0.5)
         mark_cancelled(job)
 
+    def stop_for_shutdown(self, jobs: Sequence[JobDir]) -> list[str]:
+        """Nothing: SLURM jobs run on the cluster, independent of the control plane, which re-adopts them."""
+        return []
+
     def logs(self, job: JobDir) -> str:
         return read_logs(job)

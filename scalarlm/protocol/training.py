@@ -112,6 +112,8 @@ class TrainJobConfig(BaseModel):
     dataset_rows: int = 0
     created: float = 0.0
     session: bool = False
+    # A session's trainer ends itself (state saved, CANCELLED) after this long without a step request; None: never.
+    session_idle_seconds: float | None = None
 
     @field_validator("job_id")
     @classmethod
@@ -133,6 +135,8 @@ class JobStatus(BaseModel):
     updated: float | None = None
     launcher: str | None = None
     launcher_id: str | None = None
+    # How many times the job was relaunched from its saved state (after a shutdown, a crash, or by hand).
+    resumes: int = 0
     # Trainer-reported facts about the run (e.g. data: rows, truncated_rows, dropped_rows, global_batch_blocks).
     details: dict[str, Any] = Field(default_factory=dict)
 
@@ -282,6 +286,8 @@ class SessionResponse(BaseModel):
     model_name: str
     status: str
     version: int = 0
+    # Why the session ended (e.g. idle for `training.session_idle_seconds`), when it has.
+    reason: str | None = None
 
 
 class PublishedNotice(BaseModel):

@@ -12,8 +12,9 @@ import secrets
 import shutil
 import threading
 import time
-from collections.abc import Mapping
-from contextlib import AbstractAsyncContextManager
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +25,16 @@ from scalarlm.checkpoint import JobDir, latest_step, list_steps, read_manifest
 from scalarlm.config import Settings
 from scalarlm.launcher import (
     Launcher,
+    ResumePolicy,
     default_launchers,
     extract_dataset,
     mark_cancelled,
     read_record,
     reconcile,
+    resume_job,
     validate_rows,
 )
-from scalarlm.protocol.errors import EngineUnavailable, InvalidRequest, NotFound, ScalarLMError
+from scalarlm.protocol.errors import Conflict, EngineUnavailable, InvalidRequest, NotFound, ScalarLMError
 from scalarlm.protocol.training import (
     NAME_PATTERN,
     DeleteJobResponse,
@@ -268,6 +271,26 @@ class TrainingJobs:
                 mark_cancelled(job)
         return self._status_body(job, job.read_status())
 
+    def resume(self, job_id: str) -> dict[str, Any]:
+        """Relaunch a FAILED or CANCELLED job on its own directory, from its saved state; 409 for any other."""
+        job = self.job(job_id)
+        with self._lock:
+            status = job.read_status()
+            if status.status == "COMPLETED":
+                raise Conflict(f"training job {job_id!r} completed all its steps; to train further, submit a new "
+                               f"job with llm_name={job_id!r}", param="job_id")  # fmt: skip
+            if not status.terminal:
+                raise Conflict(f"training job {job_id!r} is {status.status}; only a FAILED or CANCELLED job resumes",
+                               param="job_id")  # fmt: skip
+            record = read_record(job)
+            name = record.launcher if record is not None else status.launcher or self.settings.training.launcher
+            launcher = self.launchers.get(name)
+            if launcher is None:
+                raise InvalidRequest(f"launcher {name!r} of job {job_id!r} is not available on this server",
+                                     param="job_id")  # fmt: skip
+            resume_job(job, launcher, f"asked by a user after {status.status}: {status.reason or 'no reason given'}")
+        return self._status_body(job, job.read_status())
+
     def delete(self, job_id: str) -> DeleteJobResponse:
         """Cancel the job if it still runs, then remove its directory."""
         job = self.job(job_id)
@@ -276,10 +299,43 @@ class TrainingJobs:
         return DeleteJobResponse(job_id=job_id)
 
     def reconcile(self) -> list[JobStatus]:
-        """Mark jobs whose processes are gone FAILED (or CANCELLED when asked), with the reason."""
+        """Settle jobs whose processes are gone: CANCELLED when asked, relaunched when the resume policy says so
+        (`training.resume`), else FAILED with the reason."""
         with self._lock:
-            return reconcile(self.settings.jobs_dir, self.launchers)
+            return reconcile(self.settings.jobs_dir, self.launchers, ResumePolicy.from_settings(self.settings.training))
 
     def reconciling(self) -> AbstractAsyncContextManager[None]:
         """Reconcile once now (a restarted control plane) and then every `training.poll_seconds`."""
         return every(self.settings.training.poll_seconds, self.reconcile, "reconcile", (OSError, ScalarLMError))
+
+    @asynccontextmanager
+    async def supervising(self) -> AsyncIterator[None]:
+        """Reconcile while the app runs; at shutdown stop the trainers that would die with this control plane
+        (`training.on_shutdown`), so they save their state and resume on restart."""
+        async with self.reconciling():
+            yield
+        if self.settings.training.on_shutdown == "checkpoint":
+            await asyncio.to_thread(self.stop_for_shutdown)
+
+    def stop_for_shutdown(self) -> list[str]:
+        """Ask each launcher to stop its jobs that would not survive this process; return the stopped ids."""
+        with self._lock:
+            by_launcher: dict[str, list[JobDir]] = {}
+            jobs_dir = self.settings.jobs_dir
+            for root in sorted(p for p in jobs_dir.iterdir() if p.is_dir()) if jobs_dir.exists() else []:
+                job = JobDir(root)
+                try:
+                    record = read_record(job)
+                    if record is None or job.read_status().terminal:
+                        continue
+                except (OSError, ValueError):
+                    continue
+                by_launcher.setdefault(record.launcher, []).append(job)
+            stopped = []
+            for name, jobs in by_launcher.items():
+                launcher = self.launchers.get(name)
+                if launcher is not None:
+                    stopped += launcher.stop_for_shutdown(jobs)
+        if stopped:
+            logger.info("shutdown: stopped %d training jobs with their state saved: %s", len(stopped), ", ".join(stopped))
+        return stopped

@@ -2,9 +2,11 @@
 
 Rank 0 writes status.json (RUNNING -> COMPLETED | FAILED | CANCELLED with a reason) and metrics.jsonl; any rank
 that fails writes FAILED with its exception. The dataset is validated before any process group or model exists.
-On SIGTERM, or when `cancel.requested` appears in the job directory (polled by rank 0 every step), the ranks
-agree at the next step boundary, save resume state and exit 0: CANCELLED if `cancel.requested` exists, else FAILED
-with a "resubmit to resume" reason. A job started on a directory whose `state/` holds a saved state resumes from it.
+On SIGTERM, or when `cancel.requested` or `shutdown.requested` appears in the job directory (polled by rank 0
+every step), the ranks agree at the next step boundary, save resume state and exit 0: CANCELLED if
+`cancel.requested` exists; QUEUED (to be resumed by the restarted control plane) if `shutdown.requested` exists;
+else FAILED with a "state saved, resume the job" reason. A job started on a directory whose `state/` holds a saved
+state resumes from it.
 
 Under mpirun prefer the cancel file (or SIGTERM to the ranks themselves): Open MPI's mpirun forwards SIGTERM but
 SIGKILLs the ranks `odls_base_sigkill_timeout` (default 1 s) later, which may cut a save short.
@@ -31,9 +33,6 @@ from scalarlm.training.grpo import read_rl_dataset
 from scalarlm.training.rows import read_rows
 
 logger = logging.getLogger(__name__)
-
-CANCEL_FILE = "cancel.requested"
-
 
 class StopSignal:
     """Remembers that SIGTERM (or SIGINT) arrived; the loop checks it between steps."""
@@ -130,9 +129,9 @@ def run_job(job_dir: Path, environ: Mapping[str, str]) -> int:
                 logger.info("step %d loss %.5f lr %.3g tok/s %.0f", metrics["step"], metrics["loss"], metrics["lr"],
                             metrics["tokens_per_second"])
 
-        cancel_file = job.root / CANCEL_FILE
+        markers = (job.cancel_marker, job.shutdown_marker)
         loop = run_session if config.session else run
-        outcome = loop(trainer, lambda: stop.requested() or (main and cancel_file.exists()), on_step)
+        outcome = loop(trainer, lambda: stop.requested() or (main and any(m.exists() for m in markers)), on_step)
     except Exception as e:  # the entry point turns any failure into FAILED with its reason
         logger.exception("training failed")
         step = trainer.step if trainer is not None else None
@@ -150,10 +149,13 @@ def _record_outcome(job: JobDir, outcome: str, step: int, stop: StopSignal) -> N
     now = time.time()
     if outcome == "completed":
         job.update_status(status="COMPLETED", reason=None, step=step, end_time=now)
-    elif (job.root / CANCEL_FILE).exists():
+    elif job.cancel_marker.exists():
         job.update_status(status="CANCELLED", reason=f"cancelled at step {step}", end_time=now)
+    elif job.shutdown_marker.exists():
+        reason = f"stopped at step {step} by the control plane's shutdown; state saved, resumes when it restarts"
+        job.update_status(status="QUEUED", reason=reason, step=step, end_time=None)
     else:
         name = signal.Signals(stop.signum).name if stop.signum else "a stop request on another rank"
-        reason = f"terminated by {name} at step {step}; state saved, resubmit to resume"
+        reason = f"terminated by {name} at step {step}; state saved, resume the job to continue from it"
         job.update_status(status="FAILED", reason=reason, step=step, end_time=now)
     logger.info("job %s: %s at step %d", job.job_id, outcome, step)

@@ -68,3 +68,21 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def job_status(url: str, job_id: str) -> dict:
+    """GET /v1/megatron/train/<job_id>: the job's status, config and checkpoints."""
+    return httpx.get(f"{url}/v1/megatron/train/{job_id}", timeout=30).json()
+
+
+def wait_job(url: str, job_id: str, until, timeout: float = 420.0) -> dict:
+    """Poll the job until `until(body)` holds; fail with the job's logs after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        body = job_status(url, job_id)
+        if until(body):
+            return body
+        if time.monotonic() > deadline:
+            logs = httpx.get(f"{url}/v1/megatron/train/{job_id}/logs", timeout=30).text
+            pytest.fail(f"job {job_id}: {body['job_status']} after {timeout}s\n{logs[-3000:]}")
+        time.sleep(0.5)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import httpx
@@ -22,28 +21,13 @@ from scalarlm.checkpoint import JobDir
 from scalarlm.launcher import read_record
 
 from security_payloads import ROWS, dataset_archive
-from security_serve import serve
+from security_serve import job_status, serve
+from security_serve import wait_job as wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 TRAIN_ARGS = {"max_steps": 100_000, "learning_rate": 1e-3, "adapter_type": "full", "steps_per_checkpoint": 3,
               "max_seq_len": 64, "dtype": "float32", "gpus": 0}  # fmt: skip
-
-
-def job_status(url: str, job_id: str) -> dict:
-    return httpx.get(f"{url}/v1/megatron/train/{job_id}", timeout=30).json()
-
-
-def wait_for(url: str, job_id: str, until, timeout: float = 420.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        body = job_status(url, job_id)
-        if until(body):
-            return body
-        if time.monotonic() > deadline:
-            logs = httpx.get(f"{url}/v1/megatron/train/{job_id}/logs", timeout=30).text
-            pytest.fail(f"job {job_id}: {body['job_status']} after {timeout}s\n{logs[-3000:]}")
-        time.sleep(0.5)
 
 
 def test_sigkill_mid_training_then_restart(tiny_model_dir: Path, tmp_path: Path) -> None:

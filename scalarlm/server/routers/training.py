@@ -166,6 +166,15 @@ def cancel(job_id: str, jobs: JobsDep) -> dict[str, Any]:
     return jobs.cancel(job_id)
 
 
+@router.post("/resume/{job_id}")
+def resume(job_id: str, jobs: JobsDep, request: Request) -> dict[str, Any]:
+    """Relaunch a FAILED or CANCELLED job from its saved state (409 if it runs or completed); answers its status."""
+    _check_job_limit(jobs, request)
+    body = jobs.resume(job_id)
+    request_usage(request).add_job(request_key(request), job_id)
+    return body
+
+
 @router.post("/delete/{job_id}", response_model=DeleteJobResponse)
 def delete(job_id: str, jobs: JobsDep) -> DeleteJobResponse:
     """Cancel the job if it runs and remove its directory."""

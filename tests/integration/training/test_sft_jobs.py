@@ -148,7 +148,7 @@ def test_sigterm_under_mpirun_saves_state_and_resume_matches(dp2: JobDir, jobs_r
             proc.wait()
     status = job.read_status()
     assert status.status == "FAILED", trainer_output(job)
-    assert "terminated by SIGTERM at step" in status.reason and "resubmit to resume" in status.reason
+    assert "terminated by SIGTERM at step" in status.reason and "state saved, resume the job" in status.reason
     saved = json.loads((job.state_dir / "latest.json").read_text())["step"]
     assert saved == status.step and 5 <= saved < TRAIN_ARGS["max_steps"]
 

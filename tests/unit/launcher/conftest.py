@@ -25,7 +25,8 @@ PROGRAMS = {
         print("RuntimeError: out of memory in step 3", flush=True)
         sys.exit(3)
     """,
-    # Runs until SIGTERM, then writes CANCELLED (cancel.requested present) or FAILED, like the trainer.
+    # Runs until SIGTERM, then writes CANCELLED (cancel.requested present), QUEUED (shutdown.requested) or FAILED,
+    # like the trainer.
     "obedient": """
         import json, os, signal, sys, time, pathlib
         job = pathlib.Path(sys.argv[1])
@@ -36,6 +37,8 @@ PROGRAMS = {
         def on_term(signum, frame):
             if (job / "cancel.requested").exists():
                 write("CANCELLED", "cancelled at step 1 (state saved)")
+            elif (job / "shutdown.requested").exists():
+                write("QUEUED", "stopped at step 1 by the control plane's shutdown (state saved)")
             else:
                 write("FAILED", "terminated by SIGTERM")
             sys.exit(0)
