@@ -92,8 +92,10 @@ class RLSessions:
         job.create()
         SessionDir(job).create()
         job.dataset_path.write_text("")
+        idle = self.jobs.settings.training.session_idle_seconds
         config = TrainJobConfig(
-            job_id=job.job_id, base_model=base_model, train_args=args, created=time.time(), session=True
+            job_id=job.job_id, base_model=base_model, train_args=args, created=time.time(), session=True,
+            session_idle_seconds=idle or None,  # the trainer ends itself after this long without a step request
         )
         status = self.jobs.launch(job, config)
         logger.info("session %s: base %s, %s weights", job.job_id, base_model, args.adapter_type)
@@ -111,7 +113,9 @@ class RLSessions:
         job = self.session(session_id)
         status = job.read_status()
         version = self.catalog.version_of(session_id) if self.catalog.refresh_job(session_id) else 0
-        return SessionResponse(session_id=session_id, model_name=session_id, status=status.status, version=version)
+        reason = status.reason if status.terminal else None
+        return SessionResponse(session_id=session_id, model_name=session_id, status=status.status, version=version,
+                               reason=reason)  # fmt: skip
 
     async def step(self, session_id: str, request: SessionStepRequest) -> SessionStepResponse:
         """Write request-<k>, wait for result-<k>, publish the new version to the catalog."""

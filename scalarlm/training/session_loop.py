@@ -1,10 +1,16 @@
 """Session mode: the model and optimizer stay in memory; one optimizer step per submitted request file.
 
-Loop (every rank): wait for `session/request-<k>.jsonl` (polled every ~15 ms, ranks agree collectively), take one
-step (GRPO if `train_args.loss` is grpo/dr_grpo, else SFT), publish `checkpoints/step-<version>`, and rank 0 writes
+Loop (every rank): wait for `session/request-<k>.jsonl` (ranks agree collectively), take one step (GRPO if
+`train_args.loss` is grpo/dr_grpo, else SFT), publish `checkpoints/step-<version>`, and rank 0 writes
 `session/result-<k>.json`. A bad batch yields a result with `error` and no step. `session/end` ends the session
 (COMPLETED); SIGTERM / cancel stop it like a normal job (state saved). Request k follows the last result written,
-so a restarted session continues where it stopped.
+so a restarted (resumed) session continues where it stopped.
+
+The poll runs every 15 ms right after a step and backs off in proportion to the idle time (at most 2% of it, up
+to 0.5 s), so a client computing rewards for seconds pays little and an idle trainer costs nearly nothing. After
+`session_idle_seconds` (job config, from `training.session_idle_seconds`) without a request the session ends itself
+like a cancel: state saved, the last published step stays servable, CANCELLED with the idle reason; resuming the
+job continues it.
 """
 
 from __future__ import annotations
@@ -32,6 +38,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.015
+MAX_POLL_SECONDS = 0.5
+# The poll interval grows to this fraction of the time since the last request (bounded by the two above).
+POLL_BACKOFF = 0.02
+
+
+def poll_interval(idle_seconds: float) -> float:
+    """How long to sleep before looking for the next request, after `idle_seconds` without one."""
+    return min(MAX_POLL_SECONDS, max(POLL_SECONDS, idle_seconds * POLL_BACKOFF))
 
 
 def sft_batch(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> StepBatch:
@@ -62,10 +76,17 @@ def _next_request(files: SessionDir) -> int:
 
 
 def _agree(flags: list[bool], device: torch.device) -> list[bool]:
-    """Element-wise: stop = any rank; request ready / end = every rank sees it."""
-    t = torch.tensor([int(flags[0]), -int(flags[1]), -int(flags[2])], dtype=torch.int32, device=device)
+    """Element-wise: stop / idle = any rank; request ready / end = every rank sees it."""
+    stop, ready, end, idle = flags
+    t = torch.tensor([int(stop), -int(ready), -int(end), int(idle)], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [t[0].item() > 0, t[1].item() < 0, t[2].item() < 0]
+    return [t[0].item() > 0, t[1].item() < 0, t[2].item() < 0, t[3].item() > 0]
+
+
+def idle_reason(limit: float, step: int) -> str:
+    """The status reason of a session that ended itself for lack of requests."""
+    return (f"session idle for {limit:g} s without a step request (training.session_idle_seconds); "
+            f"state saved at step {step}, its weights stay servable; resume the job to continue")  # fmt: skip
 
 
 def run_session(
@@ -73,14 +94,20 @@ def run_session(
     stop_requested: Callable[[], bool],
     on_step: Callable[[dict[str, Any]], None],
 ) -> str:
-    """Serve step requests until `end` ("completed") or a stop request ("stopped", state saved)."""
+    """Serve step requests until `end` ("completed"), a stop request ("stopped") or `session_idle_seconds` without a
+    request ("idle": rank 0 leaves the cancel marker with the reason, so the job ends CANCELLED); state is saved."""
     files = SessionDir(trainer.job)
     files.create()
     k = _next_request(files)
-    logger.info("session %s: waiting for request %d", trainer.job.job_id, k)
+    limit = trainer.config.session_idle_seconds or None
+    logger.info("session %s: waiting for request %d (idle limit %s)", trainer.job.job_id, k,
+                f"{limit:g} s" if limit else "none")  # fmt: skip
+    last_request = time.monotonic()
     while True:
-        stop, ready, end = _agree(
-            [stop_requested(), files.request_path(k).exists(), files.end_requested()], trainer.par.device
+        waited = time.monotonic() - last_request
+        stop, ready, end, idle = _agree(
+            [stop_requested(), files.request_path(k).exists(), files.end_requested(), bool(limit and waited >= limit)],
+            trainer.par.device,
         )
         if stop:
             trainer.save()
@@ -88,11 +115,19 @@ def run_session(
         if ready:
             _serve(trainer, files, k, on_step)
             k += 1
+            last_request = time.monotonic()
             continue
         if end:
             trainer.save()
             return "completed"
-        time.sleep(POLL_SECONDS)
+        if idle:
+            reason = idle_reason(limit or 0.0, trainer.step)
+            logger.warning("session %s: %s", trainer.job.job_id, reason)
+            if trainer.par.is_main:
+                trainer.job.cancel_marker.write_text(reason + "\n")
+            trainer.save()
+            return "idle"
+        time.sleep(poll_interval(waited))
 
 
 def _serve(trainer: "Trainer", files: SessionDir, k: int, on_step: Callable[[dict[str, Any]], None]) -> None:
