@@ -16,6 +16,7 @@ NOTIFY_NOTE = (
     "# SCALARLM_NOTIFY_URL and SCALARLM_NOTIFY_KEY (the control plane's internal key, valid only for announcing\n"
     "# published steps) come from sbatch's environment (--export=ALL); the key is deliberately not in this file."
 )
+NO_NOTIFY_NOTE = "# the trainer announces no steps (no notify URL is known); the catalog's file poll finds them"
 
 # Seconds before the time limit at which SLURM sends SIGTERM so the trainer saves its state.
 SIGNAL_LEAD_SECONDS = 120
@@ -131,5 +132,5 @@ def render_sbatch(
         port=port,
         launch=launcher,
         trainer=shlex.join([python, *entry, job_root]),
-        notify_note=NOTIFY_NOTE if notify else "# the trainer announces no steps (no notify URL); the file poll finds them",
+        notify_note=NOTIFY_NOTE if notify else NO_NOTIFY_NOTE,
     )
