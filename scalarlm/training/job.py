@@ -150,7 +150,9 @@ def _record_outcome(job: JobDir, outcome: str, step: int, stop: StopSignal) -> N
     if outcome == "completed":
         job.update_status(status="COMPLETED", reason=None, step=step, end_time=now)
     elif job.cancel_marker.exists():
-        job.update_status(status="CANCELLED", reason=f"cancelled at step {step}", end_time=now)
+        # An idle RL session cancels itself and leaves its reason in the marker.
+        reason = job.cancel_marker.read_text().strip() if outcome == "idle" else f"cancelled at step {step}"
+        job.update_status(status="CANCELLED", reason=reason, end_time=now)
     elif job.shutdown_marker.exists():
         reason = f"stopped at step {step} by the control plane's shutdown; state saved, resumes when it restarts"
         job.update_status(status="QUEUED", reason=reason, step=step, end_time=None)

@@ -34,7 +34,8 @@ async def test_idle_session_ends_itself_with_state_saved(control_plane) -> None:
             assert time.monotonic() < deadline, (await client.get(f"/v1/megatron/train/{sid}/logs")).text[-3000:]
             await asyncio.sleep(0.5)
 
-        assert session["status"] == "CANCELLED" and session["version"] == 1 and session["reason"], session
+        assert session["status"] == "CANCELLED" and session["version"] == 1, session
+        assert session["reason"].startswith(f"session idle for {IDLE_SECONDS} s"), session
         logs = (await client.get(f"/v1/megatron/train/{sid}/logs")).text
         assert f"session idle for {IDLE_SECONDS} s without a step request" in logs and "state saved at step 1" in logs
         assert any((settings.jobs_dir / sid / "state").iterdir())  # what a resume continues from
