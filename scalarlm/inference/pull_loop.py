@@ -146,10 +146,12 @@ class PullLoop:
                 backoff = min(backoff * 2, MAX_BACKOFF)
                 continue
             if not reply.requests:
-                # A source that long-polls has already waited for work; pausing again would only add latency.
-                if time.monotonic() - asked < backoff:
+                # A source that long-polls (the control plane waits for new work before answering empty) has
+                # already waited: ask again at once, or work queued during a pause would wait for it. Only a
+                # source that answered at once gets the growing back-off.
+                if time.monotonic() - asked < poll:
                     await self._pause(self._wake, backoff)
-                backoff = min(backoff * 2, MAX_BACKOFF)
+                    backoff = min(backoff * 2, MAX_BACKOFF)
                 continue
             self.weights.update_catalog(reply.models)
             backoff = poll
