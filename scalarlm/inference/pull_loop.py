@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 KV_CACHE_FULL = 0.95  # no new work above this KV cache use (the engine would preempt)
 MAX_BACKOFF = 0.5  # seconds between polls of an empty queue, at most
-FLUSH_DELAY = 0.02  # results finishing within this window go in one finish_work call
+FLUSH_DELAY = 0.02  # results finishing within this window go in one finish_work call (unless the engine is idle)
 FLUSH_MAX = 64  # ... unless this many are ready
 STOP_TIMEOUT = 30.0  # seconds stop() lets in-flight items finish
 
@@ -213,7 +213,8 @@ class PullLoop:
         """Queue a result for the next finish_work call."""
         self._results.append(result)
         self._results_ready.set()
-        if len(self._results) >= FLUSH_MAX:
+        # Nothing else runs on the engine, so nothing else will finish within FLUSH_DELAY: post at once.
+        if len(self._results) >= FLUSH_MAX or self.engine.load.in_flight == 0:
             self._batch_full.set()
 
     async def _flush_forever(self) -> None:
