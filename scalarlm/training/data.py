@@ -186,16 +186,19 @@ class BlockStream:
 
 @dataclass
 class MicroBatch:
-    """Tensors for one forward pass: [B, L] ids/labels/loss mask/positions and a [B, 1, L, L] mask (True = hidden)."""
+    """Tensors for one forward pass: [B, L] ids/labels/loss mask/positions, and either a [B, 1, L, L] mask
+    (True = hidden; padded layout) or, padding-free, B = 1 and `doc_bounds` (document offsets, then the end)."""
 
     tokens: Tensor
     labels: Tensor
     loss_mask: Tensor
     position_ids: Tensor
-    attention_mask: Tensor
+    attention_mask: Tensor | None
+    doc_bounds: tuple[int, ...] | None = None
 
     def to(self, device: torch.device) -> "MicroBatch":
-        return MicroBatch(*(t.to(device, non_blocking=True) for t in vars(self).values()))
+        moved = {k: v.to(device, non_blocking=True) if isinstance(v, Tensor) else v for k, v in vars(self).items()}
+        return MicroBatch(**moved)
 
 
 def _segments(block: Block, length: int) -> tuple[list[int], list[int]]:
@@ -233,6 +236,29 @@ def collate(blocks: Sequence[Block], pad_id: int, multiple: int = 8) -> MicroBat
     return MicroBatch(tokens, labels, loss_mask, positions, ~allowed[:, None])
 
 
+def collate_packed(blocks: Sequence[Block], pad_id: int) -> MicroBatch:
+    """The blocks end to end in one [1, T] row with no padding: attention stays within each document
+    (`doc_bounds`), positions restart per document, and no label crosses a document or block boundary."""
+    tokens: list[int] = []
+    labels: list[int] = []
+    mask: list[float] = []
+    positions: list[int] = []
+    bounds: list[int] = []
+    for block in blocks:
+        base, k = len(tokens), len(block.tokens)
+        ends = list(block.doc_starts[1:]) + [k]
+        for start, end in zip(block.doc_starts, ends):
+            bounds.append(base + start)
+            positions += range(end - start)
+            labels += list(block.tokens[start + 1 : end]) + [pad_id]
+            mask += [float(t) for t in block.targets[start + 1 : end]] + [0.0]
+        tokens += block.tokens
+    bounds.append(len(tokens))
+    row = lambda xs, dtype: torch.tensor(xs, dtype=dtype).unsqueeze(0)  # noqa: E731
+    return MicroBatch(row(tokens, torch.long), row(labels, torch.long), row(mask, torch.float32),
+                      row(positions, torch.long), None, tuple(bounds))  # fmt: skip
+
+
 @dataclass(frozen=True)
 class StepBatch:
     """This rank's micro-batches of one step, and counts over the whole global batch."""
@@ -242,12 +268,15 @@ class StepBatch:
     global_tokens: int
 
 
-def step_batch(blocks: Sequence[Block], batch_size: int, accum: int, dp_size: int, dp_rank: int, pad_id: int) -> StepBatch:
-    """Split one global batch of blocks into this DP rank's micro-batches."""
+def step_batch(
+    blocks: Sequence[Block], batch_size: int, accum: int, dp_size: int, dp_rank: int, pad_id: int, packed: bool = False
+) -> StepBatch:
+    """Split one global batch of blocks into this DP rank's micro-batches (padding-free rows if `packed`)."""
     micro = []
     for m in range(accum):
         start = (m * dp_size + dp_rank) * batch_size
-        micro.append(collate(blocks[start : start + batch_size], pad_id))
+        mine = blocks[start : start + batch_size]
+        micro.append(collate_packed(mine, pad_id) if packed else collate(mine, pad_id))
     loss_tokens = sum(sum(b.targets[1:]) for b in blocks) - _cross_doc_targets(blocks)
     return StepBatch(micro, loss_tokens, sum(len(b.tokens) for b in blocks))
 

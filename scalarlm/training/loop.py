@@ -180,6 +180,7 @@ class Trainer:
             par.dp_size,
             par.dp_rank,
             self.pad_id,
+            packed=True,  # padding-free rows: compute only on real tokens
         )
         return self.sft_step(batch)
 

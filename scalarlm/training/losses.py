@@ -10,15 +10,18 @@ from __future__ import annotations
 from torch import Tensor
 
 from scalarlm.training.data import MicroBatch
+from scalarlm.training.model import document_bounds
 
 
 def token_losses(model, batch: MicroBatch) -> Tensor:
     """Per-token cross-entropy [B, L] of `batch` (vocab-parallel under TP, identical on every TP rank)."""
+    packed = document_bounds(batch.doc_bounds) if batch.doc_bounds is not None else None
     return model(
         batch.tokens,
         batch.position_ids,
         batch.attention_mask,
         labels=batch.labels,
+        packed_seq_params=packed,
     )
 
 

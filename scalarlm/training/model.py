@@ -136,6 +136,53 @@ def transformer_config(arch: ModelArch, tp: int, bf16: bool):
     )
 
 
+def document_bounds(bounds: tuple[int, ...]):
+    """Packed-sequence params naming where each document starts and ends in a [1, T] padding-free micro-batch.
+
+    `qkv_format` stays "sbhd", so megatron keeps its ordinary [S, B, ...] path (rope follows `position_ids`) and
+    only `SdpaAttention` reads `bounds`; the max lengths size megatron's RoPE table.
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))  # the RoPE table megatron builds covers it
+    params = PackedSeqParams(qkv_format="sbhd", max_seqlen_q=longest, max_seqlen_kv=longest)
+    params.bounds = bounds  # type: ignore[attr-defined]
+    return params
+
+
+def _sdpa_attention_class():
+    """megatron's local DotProductAttention with its core replaced by torch SDPA (flash kernel on CPU and GPU)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class SdpaAttention(DotProductAttention):
+        """Causal attention over [S, B, heads, d]: per document when `packed_seq_params` names document bounds,
+        else under `attention_mask` ([B, 1, S, S], True = hidden), else plain causal."""
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):  # fmt: skip
+            if attention_bias is not None:
+                raise NotImplementedError("attention_bias is not supported")
+            groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+            if groups > 1:
+                key = key.repeat_interleave(groups, dim=2)
+                value = value.repeat_interleave(groups, dim=2)
+            seq, batch = query.shape[0], query.shape[1]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [B, heads, S, d]
+            opts = {"scale": self.softmax_scale, "dropout_p": self.attention_dropout.p if self.training else 0.0}
+            bounds = getattr(packed_seq_params, "bounds", None)
+            if bounds is not None:
+                out = torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b],
+                                                                is_causal=True, **opts)
+                                 for a, b in zip(bounds[:-1], bounds[1:])], dim=2)  # fmt: skip
+            elif attention_mask is not None:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, **opts)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **opts)
+            return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+    return SdpaAttention
+
+
 def _per_document_rope(freqs: Tensor, position_ids: Tensor) -> Tensor:
     """RoPE angles [S, B, 1, D] at each token's own position ids [B, S] (positions restart per packed document)."""
     table = freqs[:, 0, 0, :]  # [S_max, D]
@@ -158,6 +205,8 @@ def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool 
 
     check_tensor_parallel(arch, tp)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    # SDPA instead of megatron's unfused baddbmm + masked softmax + bmm (same maths, one fused kernel).
+    spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
     return PackedGPTModel(
         config=transformer_config(arch, tp, bf16),
         transformer_layer_spec=spec,

@@ -9,6 +9,7 @@ NCCL on ROCm) and gloo on CPU. DP = world size / TP.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -73,6 +74,20 @@ def _rendezvous(env: LaunchEnv) -> tuple[str, int]:
     return addr, int(port)
 
 
+def set_cpu_threads(env: LaunchEnv) -> int:
+    """Give each CPU rank its share of this host's cores (all of them for one rank) unless OMP_NUM_THREADS is set.
+
+    torch defaults every process to all cores, so N ranks on one host would run N x cores threads and thrash.
+    """
+    if env.omp_threads:
+        threads = env.omp_threads
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = max(1, cores // max(1, env.local_world_size))
+    torch.set_num_threads(threads)
+    return threads
+
+
 def init_parallel(env: LaunchEnv, tensor_parallel_size: int, seed: int, timeout_s: float = 1800) -> Parallel:
     """Start torch.distributed and megatron's model-parallel state for this rank."""
     from megatron.core import parallel_state, tensor_parallel
@@ -88,6 +103,7 @@ def init_parallel(env: LaunchEnv, tensor_parallel_size: int, seed: int, timeout_
     else:
         activate_if_no_accelerator()
         device = torch.device("cpu")
+        logger.info("rank %d: %d CPU threads", env.rank, set_cpu_threads(env))
     addr, port = _rendezvous(env)
     backend = "nccl" if on_gpu else "gloo"
     logger.info("rank %d/%d: %s rendezvous at %s:%d", env.rank, env.world_size, backend, addr, port)

@@ -9,7 +9,16 @@ import pytest
 import torch
 
 from scalarlm.protocol.errors import InvalidRequest
-from scalarlm.training.data import BlockStream, Document, collate, encode_row, encode_rows, pack, step_batch
+from scalarlm.training.data import (
+    BlockStream,
+    Document,
+    collate,
+    collate_packed,
+    encode_row,
+    encode_rows,
+    pack,
+    step_batch,
+)
 from scalarlm.training.rows import Row
 
 
@@ -77,6 +86,22 @@ def test_packed_documents_do_not_attend_across_and_positions_restart() -> None:
     assert batch.labels[0, :2].tolist() == [11, 12] and batch.labels[0, 4:6].tolist() == [22, 23]
     assert len(pack([a, b], [0, 1], max_len=16, packing=False)) == 2
     assert len(pack([a, b], [0, 1], max_len=6, packing=True)) == 2
+
+
+def test_padding_free_rows_hold_the_same_tokens_labels_and_loss_mask_as_padded_ones() -> None:
+    a = Document(tokens=(10, 11, 12), targets=(False, True, True))
+    b = Document(tokens=(20, 21, 22, 23), targets=(False, False, True, True))
+    c = Document(tokens=(30, 31), targets=(False, True))
+    blocks = pack([a, b], [0, 1], max_len=16, packing=True) + pack([c], [0], max_len=16, packing=True)
+    padded, packed = collate(blocks, pad_id=0, multiple=8), collate_packed(blocks, pad_id=0)
+    assert packed.tokens.shape == (1, 9) and packed.attention_mask is None
+    assert packed.doc_bounds == (0, 3, 7, 9)  # attention stays inside each document
+    assert packed.position_ids[0].tolist() == [0, 1, 2, 0, 1, 2, 3, 0, 1]
+    real = padded.tokens != 0
+    assert torch.equal(packed.tokens[0], padded.tokens[real])
+    assert torch.equal(packed.loss_mask[0], padded.loss_mask[real])
+    in_loss = packed.loss_mask[0] > 0
+    assert torch.equal(packed.labels[0][in_loss], padded.labels[real][padded.loss_mask[real] > 0])
 
 
 def _docs(n: int) -> list[Document]:
