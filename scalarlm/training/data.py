@@ -11,6 +11,9 @@
 * A step consumes the next `global_batch = batch_size * gradient_accumulation_steps * DP` blocks of the stream;
   rank r's micro-batch m is the `batch_size` blocks at ``(m * DP + r) * batch_size``. Every rank sees the whole
   global batch's token counts, so the loss is normalised by the global number of completion tokens.
+* SFT micro-batches are padding-free (`collate_packed`): the rank's blocks end to end in one [1, T] row, with the
+  document bounds for attention, so no compute is spent on padding (13% of the benchmark's padded tokens).
+  `collate` (padded [B, L] rows and a [B, 1, L, L] mask) serves GRPO and sessions; both give the same loss.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -92,7 +93,10 @@ class Trainer:
             self.ref_model = self._build_model().eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
-        self.ddp = wrap_data_parallel(self.model if not self.bf16 else self._half(self.model), par)
+        # Overlapped grad all-reduce for SFT only: sft_step runs all but its last micro-batch under no_sync().
+        self.ddp = wrap_data_parallel(
+            self.model if not self.bf16 else self._half(self.model), par, overlap=args.loss == "sft"
+        )
         self.optimizer = build_optimizer(self.ddp, args, par, self.bf16)
         self.step = 0
         self.tokens_seen = 0
@@ -198,10 +202,12 @@ class Trainer:
         self.ddp.train()
         self.optimizer.zero_grad()
         loss_sum = torch.zeros((), dtype=torch.float64, device=par.device)
-        for micro in batch.micro_batches:
+        last = len(batch.micro_batches) - 1
+        for i, micro in enumerate(batch.micro_batches):
             micro = micro.to(par.device)
-            loss = sft_loss(token_losses(self.ddp, micro), micro.loss_mask, batch.global_loss_tokens)
-            loss.backward()
+            with nullcontext() if i == last else self.ddp.no_sync():  # the last backward starts the all-reduce
+                loss = sft_loss(token_losses(self.ddp, micro), micro.loss_mask, batch.global_loss_tokens)
+                loss.backward()
             loss_sum += loss.detach().double()
         lr, grad_norm = self.optimizer_step()
         if par.dp_size > 1:

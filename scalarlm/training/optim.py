@@ -2,9 +2,10 @@
 
 Both paths wrap the model in megatron's DistributedDataParallel. With `calculate_per_token_loss=True` it sums
 gradients over DP ranks (no 1/DP scaling), which is what the global-token-normalised SFT loss needs. Gradients
-accumulate in DDP's `main_grad` buffers across micro-batches; `finish_grad_sync()` all-reduces them once per step.
+accumulate in DDP's `main_grad` buffers across micro-batches. With DP > 1 the all-reduce runs per bucket, started by
+backward as soon as a bucket's grads are final (overlapped with the rest of backward); `finish_grad_sync()` waits.
 
-* CPU: megatron's optimizer hard-codes CUDA, so `main_grad` is handed to a torch AdamW as `.grad`; the grad norm
+* CPU: megatron's optimizer hard-codes CUDA, so `main_grad` is handed to a fused torch AdamW as `.grad`; the grad norm
   is computed over TP shards (replicated params counted once) and clipped like `clip_grad_norm_`.
 * GPU: `get_megatron_optimizer` (distributed optimizer, bf16 params with fp32 main params, built-in clipping).
   This path needs a GPU and is not exercised by the CPU test suite.
@@ -43,11 +44,16 @@ class Optimizer(Protocol):
 GRAD_BUCKET_ELEMENTS = 4_000_000
 
 
-def wrap_data_parallel(model: torch.nn.Module, par: Parallel) -> torch.nn.Module:
-    """Wrap `model` in megatron DDP over this rank's DP group (grads summed, accumulated in fp32)."""
+def wrap_data_parallel(model: torch.nn.Module, par: Parallel, overlap: bool = False) -> torch.nn.Module:
+    """Wrap `model` in megatron DDP over this rank's DP group (grads summed, accumulated in fp32).
+
+    `overlap` (used with DP > 1 only): each step's last backward starts the bucket all-reduces. Megatron learns in
+    the first step how many grads each param gets before its bucket is ready, so every step must run the same
+    backwards with sync on: the caller runs all but its last micro-batch under `no_sync()`.
+    """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    overlap = par.dp_size > 1
+    overlap = overlap and par.dp_size > 1
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=overlap,

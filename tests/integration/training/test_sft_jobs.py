@@ -39,6 +39,9 @@ TRAIN_ARGS = dict(
     max_seq_len=32,
     seed=0,
 )
+# The same global batch (4 blocks) as two ranks x 2 micro-batches of 1 block: DP, the overlapped bucket all-reduce
+# and gradient accumulation together.
+DP2_ARGS = {**TRAIN_ARGS, "batch_size": 1, "gradient_accumulation_steps": 2, "cpu_ranks": 2}
 DP_TOLERANCE = 1e-4  # DP=2 vs one rank on the same global batch (fp32; different reduction order)
 RESUME_TOLERANCE = 1e-5  # resumed vs uninterrupted, same layout
 
@@ -62,9 +65,9 @@ def reference(jobs_root: Path, tiny_model_dir: Path) -> JobDir:
 
 @pytest.fixture(scope="module")
 def dp2(jobs_root: Path, tiny_model_dir: Path) -> JobDir:
-    """The same global batch (4 blocks) as two ranks of 2 blocks under mpirun."""
+    """The same global batch (4 blocks) as two ranks of 2 micro-batches of 1 block under mpirun."""
     require_mpirun()
-    job = make_job(jobs_root, "dp2", tiny_model_dir, rows(), **{**TRAIN_ARGS, "batch_size": 2, "cpu_ranks": 2})
+    job = make_job(jobs_root, "dp2", tiny_model_dir, rows(), **DP2_ARGS)
     assert run_trainer(job, ranks=2) == 0, trainer_output(job)
     return job
 
@@ -132,7 +135,7 @@ def test_sigkill_mid_job_then_resume_matches_uninterrupted(reference: JobDir, jo
 
 @pytest.mark.slow
 def test_sigterm_under_mpirun_saves_state_and_resume_matches(dp2: JobDir, jobs_root: Path, tiny_model_dir: Path) -> None:
-    job = make_job(jobs_root, "terminated", tiny_model_dir, rows(), **{**TRAIN_ARGS, "batch_size": 2, "cpu_ranks": 2})
+    job = make_job(jobs_root, "terminated", tiny_model_dir, rows(), **DP2_ARGS)
     proc = start_trainer(job, ranks=2)
     try:
         wait_for(lambda: len(job.read_metrics()) >= 5 or proc.poll() is not None, 300, "5 steps")
