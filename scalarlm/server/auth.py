@@ -135,8 +135,9 @@ def required_scope(path_template: str) -> str:
     return "generate"
 
 
-def require_api_key(request: Request) -> None:
-    """Dependency: pass when auth is off, or the bearer key is known and holds the route's scope.
+async def require_api_key(request: Request) -> None:
+    """Dependency (async: no thread-pool hop per request): pass when auth is off, or the bearer key is known and
+    holds the route's scope.
 
     The matched key is left on `request.state.api_key` for per-key limits.
     """
