@@ -187,7 +187,7 @@ def load() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-def best(runs: list[dict]) -> dict:
+def best_run(runs: list[dict]) -> dict:
     """The fastest of a side's runs (the one least disturbed by other load), with every run's rate kept."""
     top = max(runs, key=lambda r: r["tokens_per_second"])
     return {**top, "all_tokens_per_second": [round(r["tokens_per_second"]) for r in runs]}
@@ -221,7 +221,7 @@ def main() -> None:
             runs["ours"].append(ours(model, args.steps, work, 1, None, f"ours-1rank-{r}"))
             runs["hf"].append(baseline("hf", model, args.steps, work / f"run-{r}"))
             runs["trl"].append(baseline("trl", model, args.steps, work / f"run-{r}"))
-        one, hf, trl = (best(runs[k]) for k in ("ours", "hf", "trl"))
+        one, hf, trl = (best_run(runs[k]) for k in ("ours", "hf", "trl"))
         best = max(hf["tokens_per_second"], trl["tokens_per_second"])
         figures["sft_vs_hf_trainer"] = round(one["tokens_per_second"] / best, 3)
         print(line("ours, 1 rank", one))
@@ -234,7 +234,7 @@ def main() -> None:
         for r in range(args.repeat):
             singles.append(ours(model, args.steps, work, 1, 1, f"ours-1rank-1thread-{r}"))
             dp2s.append(ours(model, args.steps, work, 2, None, f"ours-dp2-{r}"))
-        single, dp2 = best(singles), best(dp2s)
+        single, dp2 = best_run(singles), best_run(dp2s)
         figures["dp2_speedup"] = round(dp2["tokens_per_second"] / single["tokens_per_second"], 3)
         print(line("ours, 1 rank x 1 thread", single))
         print(line("ours, DP=2 (mpirun, 1 thread/rank)", dp2))
