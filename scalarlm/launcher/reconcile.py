@@ -115,6 +115,10 @@ def reconcile_job(
     if launcher is None:
         return None  # launched by a kind this control plane does not run; leave it to one that does
     state, why = launcher.state(job)
+    if state == "unknown" and shutdown_requested(job):
+        # The control plane that left the marker waited for the trainer (or killed it) before it exited: the
+        # process is gone even when it ran on another host (a rescheduled pod has a new host name).
+        state, why = "finished", "the trainer was stopped by the control plane's shutdown"
     if state != "finished":
         return None
     status = job.read_status()  # the trainer may have written its final status as it exited

@@ -11,6 +11,7 @@ import asyncio
 import pytest
 
 from scalarlm.launcher import LocalLauncher, ResumePolicy, read_record, reconcile
+from scalarlm.launcher.base import LaunchRecord, write_record
 from scalarlm.launcher.process import is_alive
 
 
@@ -118,3 +119,23 @@ def test_control_plane_exit_stops_or_leaves_its_trainers(settings, program, new_
         assert launcher.state(job)[0] == "running" and job.read_status().status == "RUNNING"
         launcher.cancel(job)
     assert finished.read_status().status == "COMPLETED" and not finished.shutdown_marker.exists()
+
+
+def test_interrupted_job_of_another_host_is_resumed_here(settings, program, new_job, wait_for):
+    """A rescheduled pod has a new host name: the marker says the old trainer is gone, so this host resumes it."""
+    before = LocalLauncher(settings, entry=program("obedient"))
+    job, _ = new_job()
+    before.submit(job, job.read_config())
+    assert wait_for(lambda: job.read_status().status == "RUNNING")
+    before.stop_for_shutdown([job])
+    write_record(job, read_record(job).model_copy(update={"host": "old-pod-7f9c"}))
+    running, _ = new_job()
+    write_record(running, LaunchRecord(launcher="local", launcher_id="1", host="old-pod-7f9c", pid=1))
+
+    after = LocalLauncher(settings, entry=program("obedient"))
+    (changed,) = reconcile(settings.jobs_dir, {"local": after})
+
+    assert changed.job_id == job.job_id and changed.resumes == 1
+    assert running.read_status().status == "QUEUED"  # no marker: another host's job is left to that host
+    assert wait_for(lambda: job.read_status().status == "RUNNING")
+    after.cancel(job)
