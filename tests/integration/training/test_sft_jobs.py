@@ -27,6 +27,8 @@ from trainer_jobs import (
 )
 
 from scalarlm.checkpoint import JobDir, latest_step, read_manifest
+from scalarlm.config import Settings
+from scalarlm.launcher import LocalLauncher, reconcile_job
 
 LONG_ROW = {"input": "Count: " + " ".join(str(n) for n in range(40)), "output": " and so on"}
 TRAIN_ARGS = dict(
@@ -157,6 +159,36 @@ def test_sigterm_under_mpirun_saves_state_and_resume_matches(dp2: JobDir, jobs_r
 
     assert run_trainer(job, ranks=2) == 0, trainer_output(job)
     assert job.read_status().status == "COMPLETED"
+    ours, ref = losses(job), losses(dp2)
+    assert len(ours) == len(ref)
+    assert max(abs(a - b) for a, b in zip(ours, ref)) <= RESUME_TOLERANCE
+
+
+@pytest.mark.slow
+def test_shutdown_stop_under_mpirun_queues_the_job_and_its_resume_matches(
+    dp2: JobDir, jobs_root: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """What a control plane's SIGTERM does to a 2-rank local job: the marker alone (mpirun would SIGKILL ranks
+    1 s after forwarding a signal) stops both ranks with their state saved; the restart's reconcile resumes it."""
+    settings = Settings(home=tmp_path / "home", model=str(tiny_model_dir), server={"port": 0})
+    launcher = LocalLauncher(settings)
+    job = make_job(jobs_root, "shutdown-dp2", tiny_model_dir, rows(), **DP2_ARGS)
+    launcher.submit(job, job.read_config())
+    wait_for(lambda: len(job.read_metrics()) >= 5 or launcher.state(job)[0] != "running", 300, "5 steps")
+    assert launcher.state(job)[0] == "running", launcher.logs(job)[-3000:]
+
+    assert launcher.stop_for_shutdown([job]) == [job.job_id]
+
+    status = job.read_status()
+    assert status.status == "QUEUED" and "by the control plane's shutdown; state saved" in status.reason, status
+    saved = json.loads((job.state_dir / "latest.json").read_text())["step"]
+    assert saved == status.step and 5 <= saved < TRAIN_ARGS["max_steps"]
+    assert launcher.state(job)[0] == "finished"
+
+    resumed = reconcile_job(job, {"local": launcher})
+    assert resumed is not None and resumed.resumes == 1
+    wait_for(lambda: job.read_status().terminal, 300, "the resumed job to finish")
+    assert job.read_status().status == "COMPLETED", launcher.logs(job)[-3000:]
     ours, ref = losses(job), losses(dp2)
     assert len(ours) == len(ref)
     assert max(abs(a - b) for a, b in zip(ours, ref)) <= RESUME_TOLERANCE
