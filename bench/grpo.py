@@ -180,7 +180,7 @@ def ours_side(model: Path, steps: int, work: Path) -> dict:
                         scores.append(digit_frac(out.text))
                         lengths.append(len(out.token_ids) if getattr(out, "token_ids", None) else len(out.logprobs or []))
                         rows.append({"prompt": prompt, "completion": out.text, "reward": scores[-1], "group": prompt,
-                                     "logprobs": out.logprobs})  # fmt: skip
+                                     "logprobs": out.logprobs, "completion_token_ids": out.token_ids})  # fmt: skip
                 t2 = time.perf_counter()
                 session.step(rows)
                 served = session.model_name

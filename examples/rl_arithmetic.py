@@ -81,7 +81,7 @@ def grpo(llm: scalarlm.ScalarLM, start_model: str, args: argparse.Namespace) -> 
                     reward = exact_match(out.text, answer)
                     rewards.append(reward)
                     rows.append({"prompt": prompt, "completion": out.text, "reward": reward, "group": prompt,
-                                 "logprobs": out.logprobs})  # fmt: skip
+                                 "logprobs": out.logprobs, "completion_token_ids": out.token_ids})  # fmt: skip
             served = sorted({(r.model, r.version) for r in results})
             t1 = time.monotonic()
             version = session.step(rows)

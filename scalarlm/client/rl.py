@@ -4,7 +4,8 @@ A session is a trainer that keeps the model and optimizer in memory and takes on
 submitted batch; each step publishes new weights, served under `session.model_name` at the returned
 version (generate with `model_name=session.model_name` and `return_details=True` to see it). Rewards are
 computed here, on the client (see `scalarlm.rewards`); rows are scored completions
-(`{"prompt", "completion", "reward"}`, optional `group` and `logprobs`) or plain SFT rows.
+(`{"prompt", "completion", "reward"}`, optional `group`, `logprobs` and `completion_token_ids`: pass a
+result's `token_ids` so the trainer trains exactly the sampled tokens) or plain SFT rows.
 """
 
 from __future__ import annotations

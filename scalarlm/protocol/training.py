@@ -240,7 +240,9 @@ class RLRow(BaseModel):
     """One scored completion for GRPO: the rows of one `group` (default: the prompt) are normalised together.
 
     `logprobs` are the sampling logprobs of the completion tokens as returned by generate (request `logprobs`);
-    without them the trainer uses its own current logprobs (ratio 1, on-policy).
+    without them the trainer uses its own current logprobs (ratio 1, on-policy). `completion_token_ids` are the
+    sampled token ids (generate's `token_ids`): with them the trainer trains on exactly the tokens sampled, one
+    logprob each, instead of re-tokenizing `completion` (which may split the text differently).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -251,6 +253,7 @@ class RLRow(BaseModel):
     reward: float
     group: str | None = None
     logprobs: list[float] | None = None
+    completion_token_ids: list[int] | None = None
 
 
 class SessionCreateRequest(BaseModel):

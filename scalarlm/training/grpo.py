@@ -93,18 +93,31 @@ def encode_rl_rows(tokenizer: Any, rows: Sequence[RLRow], loss: str, max_len: in
     Sampling logprobs must cover the completion tokens: with one more logprob than completion tokens the
     sampled EOS is appended; without logprobs EOS is appended (the model learns to stop); a count that matches
     neither means the completion re-tokenized differently and the row trains on-policy (ratio 1), counted.
+    Rows with `completion_token_ids` (in the vocabulary) train on exactly those tokens, as sampled (EOS included
+    when it was sampled); their logprobs must match them one to one, or the row is counted and trains on-policy.
     """
     adv = advantages([r.reward for r in rows], [group_key(r) for r in rows], loss)
+    vocab = len(tokenizer)
     docs, mismatched, truncated = [], 0, 0
     for row, a in zip(rows, adv):
         prompt = _prompt_ids(tokenizer, row)
-        completion = list(tokenizer(row.completion, add_special_tokens=False)["input_ids"])
         old = row.logprobs
-        if old is None or len(old) == len(completion) + 1:
-            completion.append(tokenizer.eos_token_id)
-        elif len(old) != len(completion):
-            mismatched += 1
-            old = None
+        sampled = row.completion_token_ids
+        if sampled is not None and not all(0 <= t < vocab for t in sampled):
+            mismatched += 1  # not this model's tokens: train the text on-policy
+            sampled, old = None, None
+        if sampled is not None:
+            completion = list(sampled)
+            if old is not None and len(old) != len(completion):
+                mismatched += 1
+                old = None
+        else:
+            completion = list(tokenizer(row.completion, add_special_tokens=False)["input_ids"])
+            if old is None or len(old) == len(completion) + 1:
+                completion.append(tokenizer.eos_token_id)
+            elif len(old) != len(completion):
+                mismatched += 1
+                old = None
         tokens = prompt + completion
         targets = [False] * len(prompt) + [True] * len(completion)
         if len(tokens) > max_len:

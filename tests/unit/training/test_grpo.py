@@ -139,3 +139,29 @@ def test_bad_rows_are_rejected() -> None:
         parse_rl_rows([{"prompt": "x", "completion": "y"}])
     with pytest.raises(InvalidRequest):
         parse_rl_rows([{"completion": "y", "reward": 1}])
+
+
+def test_sampled_token_ids_are_trained_as_sampled(tiny_model_dir: Path) -> None:
+    """Token ids from generate keep every logprob: no re-tokenization, no EOS added when none was sampled."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = "the answer is 4"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    odd = list(reversed(ids))  # what a sampler may emit: tokens whose text re-tokenizes differently
+    rows = parse_rl_rows([
+        {"prompt": "2+2=", "completion": tok.decode(odd), "completion_token_ids": odd, "reward": 1.0,
+         "logprobs": [-0.25] * len(odd)},
+        {"prompt": "2+2=", "completion": text, "completion_token_ids": ids + [tok.eos_token_id], "reward": 0.0,
+         "logprobs": [-0.5] * (len(ids) + 1)},
+        {"prompt": "2+2=", "completion": text, "completion_token_ids": ids, "reward": 0.5, "logprobs": [-0.5]},
+        {"prompt": "2+2=", "completion": text, "completion_token_ids": [len(tok) + 5], "reward": 0.2},
+    ])  # fmt: skip
+    docs, stats = encode_rl_rows(tok, rows, "grpo", max_len=64)
+
+    prompt = len(tok("2+2=")["input_ids"])
+    assert list(docs[0].doc.tokens[prompt:]) == odd and docs[0].old_logprobs == (-0.25,) * len(odd)
+    assert docs[1].doc.tokens[-1] == tok.eos_token_id and len(docs[1].old_logprobs) == len(ids) + 1
+    assert docs[2].old_logprobs is None  # one logprob for several tokens: counted, trains on-policy
+    assert list(docs[3].doc.tokens[prompt:]) == ids + [tok.eos_token_id]  # foreign ids: the text is trained
+    assert stats["logprobs_mismatched_rows"] == 2
