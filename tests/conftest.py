@@ -5,10 +5,41 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+
+
+REPO = Path(__file__).resolve().parents[1]
+SDK_VENV = REPO / "build" / "venv-sdk"
+SDK_PYTHON = SDK_VENV / "bin" / "python"
+# ScalarLM's published SDK; matplotlib and humanize are only for its CLI, `import masint` needs these.
+SDK_PACKAGES = ["aiohttp", "aiofiles", "jsonlines"]
+
+
+def _sdk_ready() -> bool:
+    return SDK_PYTHON.exists() and subprocess.run([SDK_PYTHON, "-c", "import masint"],
+                                                  capture_output=True).returncode == 0
+
+
+@pytest.fixture(scope="session")
+def sdk_python() -> Path:
+    """A venv with ScalarLM's SDK 1.151, created once (idempotent)."""
+    if _sdk_ready():
+        return SDK_PYTHON
+    steps = [
+        [sys.executable, "-m", "venv", str(SDK_VENV)],
+        [str(SDK_PYTHON), "-m", "pip", "install", "-q", "--no-deps", "scalarlm==1.151"],
+        [str(SDK_PYTHON), "-m", "pip", "install", "-q", *SDK_PACKAGES],
+    ]
+    for step in steps:
+        done = subprocess.run(step, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            pytest.skip(f"cannot build the SDK venv ({' '.join(step[-2:])}): {done.stderr[-500:]}")
+    return SDK_PYTHON
 
 
 @pytest.fixture(scope="session")

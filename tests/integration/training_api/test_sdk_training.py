@@ -1,7 +1,7 @@
 """ScalarLM's own SDK (scalarlm==1.151, `masint`) trains against our control plane unchanged: single POST and chunked.
 
-Uses the SDK venv that tests/e2e/test_sdk_compat.py builds (build/venv-sdk); skipped when it is absent,
-so this test never downloads anything itself.
+Runs in the SDK's own venv (build/venv-sdk, the `sdk_python` fixture of tests/conftest.py: packages from PyPI,
+never model weights).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-SDK_PYTHON = Path(__file__).resolve().parents[3] / "build" / "venv-sdk" / "bin" / "python"
 
 SCRIPT = """
 import json, sys, time
@@ -34,18 +33,12 @@ print(json.dumps({"submitted": submitted, "job": job, "models": llm.list_models(
 """
 
 
-def sdk_ready() -> bool:
-    return SDK_PYTHON.exists() and subprocess.run([SDK_PYTHON, "-c", "import masint"],
-                                                  capture_output=True).returncode == 0  # fmt: skip
-
-
-@pytest.mark.skipif(not sdk_ready(), reason="ScalarLM SDK venv (build/venv-sdk) not built; tests/e2e builds it")
 @pytest.mark.parametrize("chunked", [False, True], ids=["single-post", "chunked"])
-def test_scalarlm_sdk_trains_watches_cancels_and_deletes(live_url, tmp_path, chunked):
+def test_scalarlm_sdk_trains_watches_cancels_and_deletes(sdk_python: Path, live_url, tmp_path, chunked):
     env = {"PATH": "/usr/bin:/bin"}
     if chunked:  # the SDK reads these at import: force its init/chunk/finalize path with small chunks
         env.update(MASINT_SINGLE_POST_THRESHOLD="0", MASINT_UPLOAD_CHUNK_SIZE="1024")
-    done = subprocess.run([SDK_PYTHON, "-c", SCRIPT, live_url], capture_output=True, text=True, timeout=300,
+    done = subprocess.run([sdk_python, "-c", SCRIPT, live_url], capture_output=True, text=True, timeout=300,
                           cwd=tmp_path, env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
