@@ -1,13 +1,12 @@
 """Launchers start trainer processes for job directories: `LocalLauncher` (subprocess/mpirun), `SlurmLauncher` (sbatch).
 
 The control plane reaches the trainer only through this package: launch, state, cancel, logs,
-reconciliation after a restart, and the dataset checks run at submission.
+reconciliation after a restart. Dataset rows are checked in-process by `scalarlm.protocol.rows`.
 """
 
 from scalarlm.config import Settings
 from scalarlm.launcher.archive import copy_upload, extract_dataset
 from scalarlm.launcher.base import Launcher, LaunchRecord, RunState, cancel_requested, read_record
-from scalarlm.launcher.dataset import validate_rows
 from scalarlm.launcher.local import LocalLauncher, mark_cancelled
 from scalarlm.launcher.reconcile import ResumePolicy, reconcile, reconcile_job, resume_job
 from scalarlm.launcher.slurm import SlurmLauncher
@@ -21,5 +20,5 @@ def default_launchers(settings: Settings) -> dict[str, Launcher]:
 __all__ = [
     "Launcher", "LaunchRecord", "LocalLauncher", "ResumePolicy", "RunState", "SlurmLauncher", "cancel_requested",
     "copy_upload", "default_launchers", "extract_dataset", "mark_cancelled", "read_record", "reconcile", "reconcile_job",
-    "resume_job", "validate_rows",
+    "resume_job",
 ]  # fmt: skip

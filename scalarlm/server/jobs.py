@@ -32,9 +32,9 @@ from scalarlm.launcher import (
     read_record,
     reconcile,
     resume_job,
-    validate_rows,
 )
 from scalarlm.protocol.errors import Conflict, EngineUnavailable, InvalidRequest, NotFound, ScalarLMError
+from scalarlm.protocol.rows import validate_dataset
 from scalarlm.protocol.training import (
     NAME_PATTERN,
     DeleteJobResponse,
@@ -148,7 +148,7 @@ class TrainingJobs:
         job.create()
         try:
             extract_dataset(upload, job.dataset_path, self.settings.upload.max_upload_bytes)
-            rows = validate_rows(job.dataset_path)
+            rows = validate_dataset(job.dataset_path, args.loss)
             config = TrainJobConfig(
                 job_id=job.job_id, base_model=base_model, train_args=args, dataset_rows=rows, created=time.time()
             )

@@ -23,7 +23,7 @@ from torch import Tensor
 from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.protocol.training import RLRow
 from scalarlm.training.data import Block, Document, MicroBatch, collate, encode_row
-from scalarlm.training.rows import Row
+from scalarlm.training.rows import Row, read_rl_objects, rl_row_from_object
 
 ADV_EPS = 1e-4
 
@@ -65,16 +65,8 @@ class RLDoc:
 
 
 def parse_rl_rows(rows: Sequence[dict[str, Any]]) -> list[RLRow]:
-    """Validate RL rows; InvalidRequest naming the first bad one."""
-    out = []
-    for i, obj in enumerate(rows):
-        try:
-            row = RLRow.model_validate(obj)
-        except ValueError as e:
-            raise InvalidRequest(f"row {i}: {e}", param="rows") from None
-        if (row.prompt is None) == (row.messages is None):
-            raise InvalidRequest(f"row {i}: give exactly one of 'prompt' or 'messages'", param="rows")
-        out.append(row)
+    """Validate RL rows (a session step's body); InvalidRequest naming the first bad row and field."""
+    out = [rl_row_from_object(obj, i, what="row") for i, obj in enumerate(rows)]
     if not out:
         raise InvalidRequest("no rows", param="rows")
     return out
@@ -229,20 +221,7 @@ def grpo_objective(
 
 def read_rl_dataset(path: Any) -> list[dict[str, Any]]:
     """The scored rows of a GRPO job's dataset.jsonl, validated up front (InvalidRequest naming the line)."""
-    raw = []
-    with open(path, encoding="utf-8") as f:
-        for line, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            try:
-                obj = json.loads(text)
-                parse_rl_rows([obj])
-            except (json.JSONDecodeError, InvalidRequest) as e:
-                raise InvalidRequest(f"dataset line {line}: {e}", param="dataset") from None
-            raw.append(obj)
-    if not raw:
-        raise InvalidRequest("dataset is empty: no rows to train on", param="dataset")
-    return raw
+    return read_rl_objects(path)
 
 
 @dataclass

@@ -1,0 +1,172 @@
+"""Dataset rows: the accepted JSONL shapes and the checks that need no tokenizer (the control plane runs them
+in-process at submission; the trainer runs the same ones before it builds anything).
+
+An SFT row is one JSON object per line in one of three shapes:
+
+* ScalarLM: ``{"input": str, "output": str}`` -- loss on ``output``;
+* prompt/completion: ``{"prompt": str, "completion": str}`` -- loss on ``completion``;
+* chat: ``{"messages": [{"role": str, "content": str}, ...]}`` with at least one ``assistant`` turn --
+  rendered with the model's chat template, loss on the assistant turns.
+
+Other keys are allowed and ignored (they carry e.g. rewards for later loss kinds). Blank lines are skipped.
+A GRPO row (`loss` "grpo" / "dr_grpo") is an `RLRow`: exactly one of ``prompt`` or ``messages`` (a chat prompt,
+rendered with the template's generation prompt), a ``completion`` and a ``reward``.
+Every error names the line and the field: ``dataset line 3: field 'messages[0].role' ...``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.protocol.training import RLRow
+
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
+@dataclass(frozen=True)
+class Row:
+    """One validated SFT row: a prompt and a completion, or a chat conversation."""
+
+    line: int
+    prompt: str | None = None
+    completion: str | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+
+
+def _bad(line: int, why: str) -> InvalidRequest:
+    return InvalidRequest(f"dataset line {line}: {why}", param="dataset")
+
+
+def _text_field(obj: dict[str, Any], key: str, line: int) -> str:
+    value = obj[key]
+    if not isinstance(value, str):
+        raise _bad(line, f"field {key!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def check_messages(msgs: Any, line: int, need_assistant: bool = True) -> tuple[dict[str, str], ...]:
+    """Validate a chat (`role` in CHAT_ROLES, string `content`); SFT chats need an assistant turn to train on."""
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad(line, "field 'messages' must be a non-empty list")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise _bad(line, f"field 'messages[{i}]' must be an object with 'role' and 'content'")
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            raise _bad(line, f"field 'messages[{i}].role' must be one of {sorted(CHAT_ROLES)}, got {role!r}")
+        if not isinstance(content, str):
+            raise _bad(line, f"field 'messages[{i}].content' must be a string, got {type(content).__name__}")
+        out.append({"role": role, "content": content})
+    if need_assistant and not any(m["role"] == "assistant" for m in out):
+        raise _bad(line, "field 'messages' needs at least one assistant turn to train on")
+    return tuple(out)
+
+
+def _json_object(text: str, line: int) -> dict[str, Any]:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _bad(line, f"not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise _bad(line, f"must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def row_from_object(obj: dict[str, Any], line: int) -> Row:
+    """Validate one decoded SFT row (1-based `line` for messages) and return it as a Row."""
+    if "messages" in obj:
+        return Row(line=line, messages=check_messages(obj["messages"], line))
+    for prompt_key, completion_key in (("input", "output"), ("prompt", "completion")):
+        if prompt_key in obj or completion_key in obj:
+            for key in (prompt_key, completion_key):
+                if key not in obj:
+                    raise _bad(line, f"missing field {key!r} (rows with {prompt_key!r} need {completion_key!r})")
+            return Row(line=line, prompt=_text_field(obj, prompt_key, line),
+                       completion=_text_field(obj, completion_key, line))  # fmt: skip
+    raise _bad(line, "missing fields: expected 'input'+'output', 'prompt'+'completion' or 'messages'")
+
+
+def parse_row(text: str, line: int) -> Row:
+    """Validate one SFT JSONL line (1-based `line` for messages) and return it as a Row."""
+    return row_from_object(_json_object(text, line), line)
+
+
+def rl_row_from_object(obj: Any, line: int, what: str = "dataset line") -> RLRow:
+    """Validate one scored GRPO row; the error names `what` + `line` and the field."""
+    where = f"{what} {line}"
+    if not isinstance(obj, dict):
+        raise InvalidRequest(f"{where}: must be a JSON object, got {type(obj).__name__}", param="dataset")
+    try:
+        row = RLRow.model_validate(obj)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "row"
+        kind = "unknown field" if err["type"] == "extra_forbidden" else "field"
+        raise InvalidRequest(f"{where}: {kind} {field!r}: {err['msg']}", param="dataset") from None
+    if (row.prompt is None) == (row.messages is None):
+        raise InvalidRequest(f"{where}: give exactly one of fields 'prompt' or 'messages'", param="dataset")
+    if row.messages is not None:
+        try:
+            check_messages(row.messages, line, need_assistant=False)
+        except InvalidRequest as e:
+            raise InvalidRequest(e.message.replace(f"dataset line {line}", where, 1), param="dataset") from None
+    return row
+
+
+def _lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """(1-based line number, text) of every non-blank line; a line that is not UTF-8 is a bad row."""
+    with open(path, encoding="utf-8", errors="strict") as f:
+        line = 0
+        try:
+            for line, text in enumerate(f, start=1):
+                if text.strip():
+                    yield line, text
+        except UnicodeDecodeError:
+            raise _bad(line + 1, "not valid UTF-8") from None
+
+
+def iter_rows(path: str | Path) -> Iterator[Row]:
+    """Yield the validated SFT rows of a JSONL file; raise InvalidRequest naming the first bad line."""
+    for line, text in _lines(path):
+        yield parse_row(text, line)
+
+
+def read_rows(path: str | Path) -> list[Row]:
+    """Every validated SFT row of a JSONL file; raise InvalidRequest if one is bad or there are none."""
+    rows = list(iter_rows(path))
+    if not rows:
+        raise InvalidRequest("dataset is empty: no rows to train on", param="dataset")
+    return rows
+
+
+def read_rl_objects(path: str | Path) -> list[dict[str, Any]]:
+    """The scored rows of a GRPO dataset as decoded objects, each validated as an RLRow."""
+    raw = []
+    for line, text in _lines(path):
+        obj = _json_object(text, line)
+        rl_row_from_object(obj, line)
+        raw.append(obj)
+    if not raw:
+        raise InvalidRequest("dataset is empty: no rows to train on", param="dataset")
+    return raw
+
+
+def validate_dataset(path: str | Path, loss: str = "sft") -> int:
+    """Check every row of a JSONL dataset for a job with this `loss` before training; return the row count.
+
+    Raises InvalidRequest (HTTP 400) whose message names the first bad line and its field.
+    """
+    if loss != "sft":
+        return len(read_rl_objects(path))
+    count = sum(1 for _ in iter_rows(path))
+    if not count:
+        raise InvalidRequest("dataset is empty: no rows to train on", param="dataset")
+    return count

@@ -1,0 +1,70 @@
+"""Row checks that need no tokenizer live in protocol/: SFT and GRPO rows, errors naming the line and the field."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.protocol.rows import read_rl_objects, rl_row_from_object, validate_dataset
+
+
+def _write(tmp_path: Path, rows: list) -> Path:
+    path = tmp_path / "dataset.jsonl"
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+SCORED = {"prompt": "2+2=", "completion": "4", "reward": 1.0}
+SCORED_CHAT = {"messages": [{"role": "user", "content": "2+2?"}], "completion": "4", "reward": 0.5}
+
+
+def test_grpo_rows_accept_a_prompt_or_a_chat_prompt_without_an_assistant_turn(tmp_path: Path) -> None:
+    path = _write(tmp_path, [SCORED, "", SCORED_CHAT])
+    assert validate_dataset(path, "grpo") == 2
+    assert read_rl_objects(path)[1] == SCORED_CHAT
+    with pytest.raises(InvalidRequest, match="dataset line 3: field 'messages' needs at least one assistant"):
+        validate_dataset(path, "sft")  # an SFT chat row must have something to train on
+
+
+@pytest.mark.parametrize(
+    ("bad", "words"),
+    [
+        ({"prompt": "x", "completion": "y"}, ["field 'reward'", "required"]),
+        ({"prompt": "x", "completion": "y", "reward": "high"}, ["field 'reward'"]),
+        ({"completion": "y", "reward": 1}, ["exactly one of fields 'prompt' or 'messages'"]),
+        ({**SCORED, "score": 1}, ["unknown field 'score'"]),
+        ({**SCORED_CHAT, "messages": [{"role": "robot", "content": "x"}]}, ["field 'messages[0].role'", "robot"]),
+        ({**SCORED_CHAT, "messages": [{"role": "user", "content": 3}]}, ["field 'messages[0].content'"]),
+        ({**SCORED, "logprobs": ["a"]}, ["field 'logprobs.0'"]),
+        ([1, 2], ["JSON object"]),
+    ],
+)
+def test_bad_grpo_row_names_its_line_and_field(tmp_path: Path, bad, words: list[str]) -> None:
+    with pytest.raises(InvalidRequest) as err:
+        validate_dataset(_write(tmp_path, [SCORED, SCORED, bad]), "dr_grpo")
+    assert err.value.status_code == 400 and err.value.message.startswith("dataset line 3: "), err.value.message
+    for word in words:
+        assert word in err.value.message
+
+
+def test_session_rows_are_named_by_index() -> None:
+    with pytest.raises(InvalidRequest, match=r"^row 4: field 'reward'"):
+        rl_row_from_object({"prompt": "x", "completion": "y"}, 4, what="row")
+
+
+def test_sft_chat_field_errors_name_the_field(tmp_path: Path) -> None:
+    bad = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}
+    with pytest.raises(InvalidRequest, match=r"^dataset line 2: field 'messages\[1\].content' must be a string"):
+        validate_dataset(_write(tmp_path, [CHAT, bad]))
+
+
+def test_row_checks_import_neither_torch_nor_trainer_code() -> None:
+    code = ("import sys, scalarlm.protocol.rows; "
+            "sys.exit(any(m == 'torch' or m.startswith('scalarlm.training') for m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
