@@ -2,8 +2,8 @@
 
 * A document is a row's tokens plus, per token, whether it is a completion token (in the loss). Prompt/completion
   rows: ``tokenize(prompt)`` + ``tokenize(completion)`` + EOS (prompt and completion are tokenized separately,
-  exactly as the prompt will be at inference). Chat rows: the tokenizer's chat template, rendered turn by turn;
-  every assistant turn (with its end-of-turn marker) is in the loss.
+  exactly as the prompt will be at inference). Chat rows: the model's chat template, tokenized as a whole; every
+  assistant turn (with its end-of-turn marker) is in the loss, nothing else (see chat.py).
 * Documents longer than `max_len` are truncated (counted); a document left without a completion token is dropped
   (counted). Neither ever fails the job.
 * Each epoch shuffles the documents with `seed + epoch`, then packs them greedily into blocks of at most `max_len`
@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.training.chat import encode_chat
 from scalarlm.training.rows import Row
 
 
@@ -53,41 +54,10 @@ def _ids(tokenizer: Any, text: str, special: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
 
-def _chat_pieces(tokenizer: Any, row: Row) -> list[tuple[str, bool]]:
-    """The rendered chat as (text, is_target) pieces: assistant turns are targets."""
-    msgs = [dict(m) for m in row.messages or ()]
-    render = tokenizer.apply_chat_template
-    pieces: list[tuple[str, bool]] = []
-    done = ""
-    for i, m in enumerate(msgs):
-        if m["role"] != "assistant":
-            continue
-        prefix = render(msgs[:i], tokenize=False, add_generation_prompt=True) if i else ""
-        full = render(msgs[: i + 1], tokenize=False)
-        if not (prefix.startswith(done) and full.startswith(prefix)):
-            raise InvalidRequest(
-                f"dataset line {row.line}: the chat template does not render turn by turn; cannot mask assistant turns",
-                param="dataset",
-            )
-        pieces += [(prefix[len(done) :], False), (full[len(prefix) :], True)]
-        done = full
-    rest = render(msgs, tokenize=False)
-    if rest.startswith(done) and len(rest) > len(done):
-        pieces.append((rest[len(done) :], False))
-    return [(text, target) for text, target in pieces if text]
-
-
 def encode_row(tokenizer: Any, row: Row) -> Document:
     """Tokenize one row with its completion mask (EOS appended to prompt/completion rows)."""
     if row.messages is not None:
-        if not getattr(tokenizer, "chat_template", None):
-            raise InvalidRequest(f"dataset line {row.line}: chat rows need a tokenizer with a chat template")
-        tokens: list[int] = []
-        targets: list[bool] = []
-        for text, target in _chat_pieces(tokenizer, row):
-            ids = _ids(tokenizer, text, special=False)
-            tokens += ids
-            targets += [target] * len(ids)
+        tokens, targets = encode_chat(tokenizer, row.messages, f"dataset line {row.line}")
         return Document(tuple(tokens), tuple(targets))
     prompt = _ids(tokenizer, row.prompt or "", special=True)
     completion = _ids(tokenizer, row.completion or "", special=False) + [tokenizer.eos_token_id]

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.protocol.training import RLRow
+from scalarlm.training.chat import prompt_ids
 from scalarlm.training.data import Block, Document, MicroBatch, collate, encode_row
 from scalarlm.training.rows import Row, read_rl_objects, rl_row_from_object
 
@@ -72,10 +73,9 @@ def parse_rl_rows(rows: Sequence[dict[str, Any]]) -> list[RLRow]:
     return out
 
 
-def _prompt_ids(tokenizer: Any, row: RLRow) -> list[int]:
+def _prompt_ids(tokenizer: Any, row: RLRow, index: int) -> list[int]:
     if row.messages is not None:
-        text = tokenizer.apply_chat_template(row.messages, tokenize=False, add_generation_prompt=True)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return prompt_ids(tokenizer, row.messages, f"row {index}")
     return list(tokenizer(row.prompt or "", add_special_tokens=True)["input_ids"])
 
 
@@ -91,8 +91,8 @@ def encode_rl_rows(tokenizer: Any, rows: Sequence[RLRow], loss: str, max_len: in
     adv = advantages([r.reward for r in rows], [group_key(r) for r in rows], loss)
     vocab = len(tokenizer)
     docs, mismatched, truncated = [], 0, 0
-    for row, a in zip(rows, adv):
-        prompt = _prompt_ids(tokenizer, row)
+    for index, (row, a) in enumerate(zip(rows, adv)):
+        prompt = _prompt_ids(tokenizer, row, index)
         old = row.logprobs
         sampled = row.completion_token_ids
         if sampled is not None and not all(0 <= t < vocab for t in sampled):
