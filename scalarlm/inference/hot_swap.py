@@ -26,7 +26,7 @@ from vllm.lora.request import LoRARequest
 from scalarlm.config import Settings
 from scalarlm.inference.engine import Engine
 from scalarlm.inference.versions import ModelVersions
-from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.protocol.errors import InvalidRequest, ModelLoadFailed
 from scalarlm.protocol.generate import ModelVersion
 
 logger = logging.getLogger(__name__)
@@ -170,7 +170,12 @@ class WeightsManager:
             raise InvalidRequest(f"model '{name}' has no published weights path")
         llm = self.engine.llm
         started = time.perf_counter()
-        await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+        try:
+            await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+        except Exception as exc:  # vLLM raises whatever the loader hit; the engine may hold a partial load
+            await self._restore_full()
+            raise ModelLoadFailed(f"model '{name}' version {version} could not be loaded from {path}: "
+                                  f"{_reason(exc)}", param="model") from exc
         await llm.reset_prefix_cache()
         seconds = time.perf_counter() - started
         old = self._full
@@ -180,6 +185,21 @@ class WeightsManager:
         self.versions.set(name, version)
         self.engine.load.record_swap(seconds)
         logger.info("full weights %s v%d -> %s v%d in %.3fs", old[0], old[1], name, version, seconds)
+
+    async def _restore_full(self) -> None:
+        """Reload the weights the engine held before a failed swap (a failed load may have changed some)."""
+        name, version = self._full
+        entry = self._catalog.get(name)
+        path = entry.path if entry is not None else None
+        if path is None:
+            self._full = ("", -1)  # nothing known to restore: the next request of any model reloads
+            return
+        try:
+            await self.engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+            await self.engine.llm.reset_prefix_cache()
+        except Exception:  # the next request of any model then reloads from scratch
+            logger.exception("could not restore %s v%d after a failed swap", name, version)
+            self._full = ("", -1)
 
     # ---- LoRA adapters --------------------------------------------------------------------------
 
@@ -208,7 +228,11 @@ class WeightsManager:
                 self._drop_retired()
         request = LoRARequest(lora_name=entry.name, lora_int_id=next(self.engine.lora_ids), lora_path=str(entry.path))
         started = time.perf_counter()
-        await self.engine.llm.add_lora(request)
+        try:
+            await self.engine.llm.add_lora(request)
+        except Exception as exc:  # a missing or malformed adapter: vLLM raises its loader's error
+            raise ModelLoadFailed(f"model '{entry.name}' version {entry.version} could not be loaded from "
+                                  f"{entry.path}: {_reason(exc)}", param="model") from exc
         adapter = _Adapter(request=request, version=entry.version)
         self._adapters[entry.name] = adapter
         self.versions.set(entry.name, entry.version)
@@ -246,6 +270,12 @@ class WeightsManager:
                 task = asyncio.get_running_loop().create_task(self.engine.llm.remove_lora(adapter.request.lora_int_id))
                 task.add_done_callback(_log_failure)
         self._retired = keep
+
+
+def _reason(exc: BaseException) -> str:
+    """One line naming what went wrong (vLLM wraps some loader errors in an empty outer exception)."""
+    cause = exc.__cause__ if not str(exc) and exc.__cause__ is not None else exc
+    return f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else 'no message'}"
 
 
 def _log_failure(task: asyncio.Task[Any]) -> None:

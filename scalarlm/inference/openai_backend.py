@@ -31,8 +31,8 @@ from scalarlm.inference.engine import Engine
 from scalarlm.inference.hot_swap import WeightsLease, WeightsManager
 from scalarlm.inference.versions import ModelVersions
 from scalarlm.protocol.backend import OpenAIReply, OpenAIRoute
-from scalarlm.protocol.errors import EngineUnavailable, InvalidRequest
-from scalarlm.protocol.generate import EngineLoad
+from scalarlm.protocol.errors import EngineUnavailable, InvalidRequest, ScalarLMError
+from scalarlm.protocol.generate import EngineLoad, ModelVersion
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +113,12 @@ class VllmOpenAIBackend:
             return False
         return True
 
-    async def openai(self, route: OpenAIRoute, body: dict[str, Any]) -> OpenAIReply:
-        """Serve one OpenAI request: JSON body, or an SSE byte stream exactly as vLLM's server emits it."""
+    async def openai(self, route: OpenAIRoute, body: dict[str, Any], model: ModelVersion | None = None) -> OpenAIReply:
+        """Serve one OpenAI request: JSON body, or an SSE byte stream exactly as vLLM's server emits it.
+
+        `model` (the control plane's newest entry for the requested name) goes into the same catalog the
+        pull loop feeds, so the request swaps in that model's weights exactly as a batch item would.
+        """
         if self.engine is None or self.state is None:
             err = EngineUnavailable("the inference engine is not running yet").to_response()
             return OpenAIReply(status_code=err.error.code, body=err.model_dump(), headers={"Retry-After": "1"})
@@ -128,6 +132,8 @@ class VllmOpenAIBackend:
             request = _REQUEST_MODELS[route].model_validate(body)
         except ValidationError as exc:
             return _error_reply(validation_error(exc))
+        if model is not None and self.weights is not None:
+            self.weights.update_catalog([model])
         return await self._generate(route, request)
 
     # ---- internals ------------------------------------------------------------------------------
@@ -143,7 +149,7 @@ class VllmOpenAIBackend:
         if self.weights.servable(model):  # unknown names get vLLM's own 404
             try:
                 lease = await self.weights.acquire(model)
-            except InvalidRequest as exc:
+            except ScalarLMError as exc:  # not servable here, or its weights failed to load (ModelLoadFailed)
                 return OpenAIReply(status_code=exc.status_code, body=exc.to_response().model_dump())
         version = lease.version if lease is not None else 0
         fingerprint = f"scalarlm-{model}-v{version}"

@@ -145,6 +145,7 @@ class PullLoop:
                 await self._pause(self._wake, backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)
                 continue
+            self.weights.update_catalog(reply.models)  # an empty reply still names the newest versions
             if not reply.requests:
                 # A source that long-polls (the control plane waits for new work before answering empty) has
                 # already waited: ask again at once, or work queued during a pause would wait for it. Only a
@@ -153,7 +154,6 @@ class PullLoop:
                     await self._pause(self._wake, backoff)
                     backoff = min(backoff * 2, MAX_BACKOFF)
                 continue
-            self.weights.update_catalog(reply.models)
             backoff = poll
             for item in reply.requests:
                 self._submit(item)

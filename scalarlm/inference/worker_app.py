@@ -11,6 +11,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,7 +20,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from scalarlm.config import Settings
 from scalarlm.inference.http_source import HttpWorkSource
 from scalarlm.inference.worker import InProcessWorker
-from scalarlm.protocol.backend import OpenAIReply, OpenAIRoute
+from pydantic import ValidationError
+
+from scalarlm.protocol.backend import MODEL_HEADER, OpenAIReply, OpenAIRoute
+from scalarlm.protocol.generate import ModelVersion
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +41,27 @@ def _bad_json(message: str) -> JSONResponse:
     """vLLM's error body for a request that is not a JSON object."""
     return JSONResponse({"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}},
                         status_code=400)
+
+
+def requested_model(header: str | None, settings: Settings) -> ModelVersion | None:
+    """The control plane's entry for the requested model, from its header; ValueError when it is not usable.
+
+    Only checkpoints inside this worker's jobs directory (the volume it shares with the control plane) may
+    be named, so the header cannot make the worker load arbitrary files.
+    """
+    if header is None:
+        return None
+    try:
+        entry = ModelVersion.model_validate_json(header)
+    except ValidationError as exc:
+        raise ValueError(f"{MODEL_HEADER} header is not a model entry: {exc.errors()[0]['msg']}") from None
+    if entry.kind == "base" or entry.path is None:
+        return entry
+    jobs = settings.jobs_dir.resolve()
+    if not Path(entry.path).resolve().is_relative_to(jobs):
+        raise ValueError(f"model '{entry.name}' path {entry.path} is outside this worker's jobs directory {jobs}: "
+                         "the control plane and its workers must share SCALARLM_HOME")
+    return entry
 
 
 def create_worker_app(settings: Settings, worker: InProcessWorker | None = None) -> FastAPI:
@@ -64,7 +89,11 @@ def create_worker_app(settings: Settings, worker: InProcessWorker | None = None)
             return _bad_json(f"request body is not valid JSON: {exc}")
         if not isinstance(body, dict):
             return _bad_json("request body must be a JSON object")
-        return _to_response(await worker.backend.openai(route, body))
+        try:
+            model = requested_model(request.headers.get(MODEL_HEADER), settings)
+        except ValueError as exc:
+            return _bad_json(str(exc))
+        return _to_response(await worker.backend.openai(route, body, model))
 
     @app.get("/v1/models")
     async def models() -> Response:

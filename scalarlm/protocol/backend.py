@@ -18,9 +18,13 @@ from scalarlm.protocol.generate import (
     FinishWorkResponse,
     GetWorkRequest,
     GetWorkResponse,
+    ModelVersion,
 )
 
 OpenAIRoute = Literal["models", "completions", "chat/completions"]
+
+# Split mode: the HTTP header carrying an OpenAI request's `model` entry (a ModelVersion as JSON) to a worker.
+MODEL_HEADER = "X-ScalarLM-Model"
 
 
 @dataclass
@@ -37,8 +41,13 @@ class OpenAIReply:
 class InferenceBackend(Protocol):
     """What the control plane needs from an inference worker."""
 
-    async def openai(self, route: OpenAIRoute, body: dict[str, Any]) -> OpenAIReply:
-        """Serve one OpenAI request with vLLM's own OpenAI code (wire format identical to vLLM's)."""
+    async def openai(self, route: OpenAIRoute, body: dict[str, Any], model: ModelVersion | None = None) -> OpenAIReply:
+        """Serve one OpenAI request with vLLM's own OpenAI code (wire format identical to vLLM's).
+
+        `model`: the control plane's newest entry for `body["model"]` (kind, path, version). The worker
+        loads or swaps those weights before the request, as for batch work, so a model is servable as
+        soon as the control plane lists it, whether or not a get_work reply has named it yet.
+        """
         ...
 
     def load(self) -> EngineLoad:

@@ -91,6 +91,16 @@ class EngineUnavailable(ScalarLMError):
     error_type = "engine_unavailable"
 
 
+class ModelLoadFailed(ScalarLMError):
+    """A listed model whose published weights a worker could not load (a broken or deleted checkpoint).
+
+    500, not 404: the model exists, its files are the problem; the message names the model, version and why.
+    """
+
+    status_code = 500
+    error_type = "model_load_error"
+
+
 ERRORS_BY_STATUS: dict[int, type[ScalarLMError]] = {
     cls.status_code: cls
     for cls in (

@@ -39,6 +39,10 @@ class TrainedModel:
     loss: float | None = None
 
 
+def _servable(model: TrainedModel) -> ModelVersion:
+    return ModelVersion(name=model.name, version=model.version, kind=model.kind, path=model.path)  # type: ignore[arg-type]
+
+
 class ModelCatalog:
     """The base model (by its served name or its path) and every job with a published step."""
 
@@ -81,6 +85,16 @@ class ModelCatalog:
             model = self._trained.get(name)
         return model.version if model is not None else 0
 
+    def entry(self, name: str) -> ModelVersion:
+        """The servable entry (kind, path, newest version) of a canonical model name, as workers get it."""
+        with self._lock:
+            model = self._trained.get(name)
+        if model is not None:
+            return _servable(model)
+        if name == self.base:
+            return ModelVersion(name=self.base, version=0, kind="base", path=self.base_path)
+        raise NotFound(f"The model `{name}` does not exist.", param="model")
+
     def newest(self) -> TrainedModel | None:
         """The newest (by job creation) trained model with published weights."""
         with self._lock:
@@ -94,11 +108,7 @@ class ModelCatalog:
 
     def versions(self) -> list[ModelVersion]:
         """Every servable model with its newest weights version (workers learn of swaps from this)."""
-        base = ModelVersion(name=self.base, version=0, kind="base", path=self.base_path)
-        return [base] + [
-            ModelVersion(name=m.name, version=m.version, kind=m.kind, path=m.path)  # type: ignore[arg-type]
-            for m in self.trained()
-        ]
+        return [self.entry(self.base)] + [_servable(m) for m in self.trained()]
 
     # ---- learning of new steps --------------------------------------------------------------------
 

@@ -3,6 +3,8 @@
 A worker's HTTP app exposes `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`
 (vLLM's own OpenAI serving), `GET /load` (an `EngineLoad` JSON) and `GET /health`. Streams are
 passed through byte for byte. Loads are refreshed in the background, so `load()` never blocks.
+Each completion carries the control plane's entry for its model in the `X-ScalarLM-Model` header, so a
+worker loads a newly published model on its first OpenAI request, as it would for a batch item.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from typing import Any
 
 import httpx
 
-from scalarlm.protocol.backend import OpenAIReply, OpenAIRoute
+from scalarlm.protocol.backend import MODEL_HEADER, OpenAIReply, OpenAIRoute
 from scalarlm.protocol.errors import EngineUnavailable
-from scalarlm.protocol.generate import EngineLoad
+from scalarlm.protocol.generate import EngineLoad, ModelVersion
 
 logger = logging.getLogger(__name__)
 
@@ -78,14 +80,15 @@ class RemoteBackend:
                 continue
         return False
 
-    async def openai(self, route: OpenAIRoute, body: dict[str, Any]) -> OpenAIReply:
+    async def openai(self, route: OpenAIRoute, body: dict[str, Any], model: ModelVersion | None = None) -> OpenAIReply:
         """Forward one OpenAI request; stream SSE through unchanged when the worker streams."""
         url = f"{self._pick()}/v1/{route}"
         try:
             if route == "models":
                 resp = await self.client.get(url)
                 return OpenAIReply(resp.status_code, body=_json(resp))
-            request = self.client.build_request("POST", url, json=body)
+            headers = {MODEL_HEADER: model.model_dump_json()} if model is not None else None
+            request = self.client.build_request("POST", url, json=body, headers=headers)
             resp = await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
             raise EngineUnavailable(f"inference worker {url} unreachable: {exc}") from exc

@@ -91,10 +91,11 @@ async def _forward(route: OpenAIRoute, request: Request) -> Response:
     if model is not None and not isinstance(model, str):
         raise InvalidRequest("model must be a string", param="model")
     body["model"] = state.catalog.resolve(model)  # the name the worker serves it under
+    entry = state.catalog.entry(body["model"])  # its newest weights: the worker loads them if it has not yet
     ticket = state.admission.admit(backend.load())
     streaming = False
     try:
-        reply = await backend.openai(route, body)
+        reply = await backend.openai(route, body, entry)
         if reply.stream is not None:
             streaming = True  # the slot is released when the stream ends
             stream = state.admission.guard_stream(ticket, reply.stream)

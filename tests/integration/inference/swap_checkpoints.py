@@ -64,7 +64,19 @@ def transformers_greedy(base: Path, prompts: list[str], tokens: int, full: Path 
     results = []
     for prompt in prompts:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.no_grad():
-            out = model.generate(input_ids=ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
-        results.append(out[0, ids.shape[1]:].tolist())
+        results.append(argmax_tokens(model, ids, tokens))
     return results
+
+
+def argmax_tokens(model: Any, ids: Any, tokens: int) -> list[int]:
+    """`tokens` greedy steps that never stop at EOS, as vLLM's `ignore_eos` (HF's `min_new_tokens` would instead
+    forbid EOS and pick the runner-up)."""
+    import torch
+
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(tokens):
+            nxt = int(model(input_ids=ids).logits[0, -1].argmax())
+            out.append(nxt)
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return out

@@ -170,3 +170,77 @@ async def test_full_fine_tune_and_base_interleaved_through_the_queue(
     swaps = vllm_engine.load.swaps - swaps_before
     assert 2 <= swaps <= 4  # at least there and back; the queue groups by model, so never one per request
     assert vllm_engine.load.snapshot().swaps == vllm_engine.load.swaps
+
+
+async def _openai_completion(backend: Any, entry: Any, prompt: str) -> Any:
+    """An OpenAI completion carrying the control plane's model entry, as the control plane sends it."""
+    body = {"model": entry.name, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True}  # fmt: skip
+    return await backend.openai("completions", body, entry)
+
+
+async def test_openai_request_loads_a_model_no_get_work_has_named(
+    vllm_engine: Any, inference_settings: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 16: the OpenAI path swaps in a newly listed model itself (full weights and LoRA, streams too)."""
+    from scalarlm.inference.openai_backend import VllmOpenAIBackend
+    from scalarlm.inference.versions import ModelVersions
+    from scalarlm.protocol.generate import ModelVersion
+
+    full = write_full_checkpoint(tiny_model_dir, tmp_path / "job-f" / "step-4", seed=21, step=4)
+    lora = write_lora_checkpoint(tiny_model_dir, tmp_path / "job-l" / "step-9", seed=22, step=9)
+    entries = {"job-f": ModelVersion(name="job-f", version=4, kind="full", path=str(full)),
+               "job-l": ModelVersion(name="job-l", version=9, kind="lora", path=str(lora))}  # fmt: skip
+    expected = {"job-f": transformers_greedy(tiny_model_dir, PROMPTS, TOKENS, full=full),
+                "job-l": transformers_greedy(tiny_model_dir, PROMPTS, TOKENS, lora=lora)}  # fmt: skip
+    backend = VllmOpenAIBackend(inference_settings)
+    await backend.attach(vllm_engine, ModelVersions(inference_settings.base_model_name))
+    try:
+        replies = {name: [await _openai_completion(backend, entry, p) for p in PROMPTS]
+                   for name, entry in entries.items()}  # fmt: skip
+        stream = await backend.openai("completions", {"model": "job-f", "prompt": PROMPTS[0], "max_tokens": TOKENS,
+                                                      "temperature": 0.0, "ignore_eos": True, "stream": True},
+                                      entries["job-f"])  # fmt: skip
+        events = [chunk async for chunk in stream.stream]
+    finally:
+        await backend.weights.unload_adapters()
+        await _restore_base(backend.weights, inference_settings)
+
+    for name, batch in replies.items():
+        assert [r.status_code for r in batch] == [200] * len(PROMPTS), batch[0].body
+        assert [r.body["choices"][0]["token_ids"] for r in batch] == expected[name], name
+        assert all(r.body["model"] == name and r.body["scalarlm_version"] == entries[name].version for r in batch)
+    text = b"".join(events).decode()
+    assert '"scalarlm_version":4' in text and '"model":"job-f"' in text and "data: [DONE]" in text
+
+
+async def test_listed_model_that_cannot_be_loaded_answers_why_and_the_base_still_serves(
+    vllm_engine: Any, inference_settings: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from scalarlm.inference.openai_backend import VllmOpenAIBackend
+    from scalarlm.inference.versions import ModelVersions
+    from scalarlm.protocol.generate import ModelVersion
+
+    broken = write_full_checkpoint(tiny_model_dir, tmp_path / "job-broken" / "step-2", seed=3, step=2)
+    (broken / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+    missing = tmp_path / "job-gone" / "step-1"  # an adapter whose files were deleted
+    expected_base = transformers_greedy(tiny_model_dir, PROMPTS[:1], TOKENS)
+    backend = VllmOpenAIBackend(inference_settings)
+    await backend.attach(vllm_engine, ModelVersions(inference_settings.base_model_name))
+    base = ModelVersion(name="tiny", version=0, kind="base", path=str(tiny_model_dir))
+    try:
+        full = await _openai_completion(backend, ModelVersion(name="job-broken", version=2, kind="full",
+                                                              path=str(broken)), PROMPTS[0])  # fmt: skip
+        lora = await _openai_completion(backend, ModelVersion(name="job-gone", version=1, kind="lora",
+                                                              path=str(missing)), PROMPTS[0])  # fmt: skip
+        after = await _openai_completion(backend, base, PROMPTS[0])
+    finally:
+        await _restore_base(backend.weights, inference_settings)
+
+    for reply, name, path in ((full, "job-broken", broken), (lora, "job-gone", missing)):
+        assert reply.status_code == 500, reply.body
+        error = reply.body["error"]
+        assert error["type"] == "model_load_error" and error["param"] == "model"
+        assert f"model '{name}'" in error["message"] and str(path) in error["message"], error["message"]
+    assert after.status_code == 200
+    assert [after.body["choices"][0]["token_ids"]] == expected_base

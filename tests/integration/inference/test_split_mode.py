@@ -102,3 +102,47 @@ async def test_batch_and_openai_through_split_mode(split: dict[str, str], vllm_e
         models = (await client.get(f"{split['worker']}/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["tiny"]
     assert vllm_engine.load.in_flight == 0
+
+
+async def test_a_published_model_answers_through_the_api_before_any_batch_names_it(
+    split: dict[str, str], inference_settings: Any, tiny_model_dir: Any, tmp_path: Any
+) -> None:
+    """Issue 16 in split mode: the API sends the model's entry with the request; the worker loads it."""
+    import shutil
+
+    from swap_checkpoints import transformers_greedy, write_full_checkpoint
+
+    from scalarlm.checkpoint import JobDir, publish_step
+    from scalarlm.protocol.training import CheckpointManifest
+
+    source = write_full_checkpoint(tiny_model_dir, tmp_path / "source", seed=31)
+    job = JobDir.under(tmp_path / "jobs", "job-split")  # the split fixture's home is tmp_path
+    job.create()
+
+    def write(tmp: Any) -> None:
+        for f in source.iterdir():
+            if f.is_file() and f.name != "manifest.json":
+                shutil.copy(f, tmp / f.name)
+
+    publish_step(job, CheckpointManifest(job_id="job-split", step=3, base_model=str(tiny_model_dir), kind="full"),
+                 write)  # fmt: skip
+    expected = transformers_greedy(tiny_model_dir, ["Hello there"], 6, full=source)[0]
+    body = {"model": "job-split", "prompt": "Hello there", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}  # fmt: skip
+    async with httpx.AsyncClient(timeout=120) as client:
+        try:
+            reply = await client.post(f"{split['api']}/v1/completions", json=body)
+            async with client.stream("POST", f"{split['api']}/v1/completions", json={**body, "stream": True}) as resp:
+                raw = (await resp.aread()).decode()
+            # The worker loads only checkpoints inside the jobs directory it shares with the API.
+            outside = {"name": "job-x", "version": 1, "kind": "full", "path": str(source)}
+            refused = await client.post(f"{split['worker']}/v1/completions", json={**body, "model": "job-x"},
+                                        headers={"X-ScalarLM-Model": json.dumps(outside)})  # fmt: skip
+        finally:
+            await client.post(f"{split['api']}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["token_ids"] == expected
+    assert (reply.json()["model"], reply.json()["scalarlm_version"]) == ("job-split", 3)
+    events = [json.loads(e[6:]) for e in raw.split("\n\n") if e and e != "data: [DONE]"]
+    assert {(e["model"], e["scalarlm_version"]) for e in events} == {("job-split", 3)}
+    assert refused.status_code == 400 and "outside this worker's jobs directory" in refused.json()["error"]["message"]

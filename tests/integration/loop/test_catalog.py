@@ -96,7 +96,7 @@ class ModelsOnlyWorker:
     async def healthy(self) -> bool:
         return True
 
-    async def openai(self, route: str, body: dict[str, Any]) -> OpenAIReply:
+    async def openai(self, route: str, body: dict[str, Any], model: Any = None) -> OpenAIReply:
         data = [{"id": "tiny", "object": "model", "created": 1, "owned_by": "vllm", "root": "/m", "parent": None,
                  "max_model_len": 512, "permission": []}]  # fmt: skip
         return OpenAIReply(200, body={"object": "list", "data": data})

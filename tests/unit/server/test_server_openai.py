@@ -34,7 +34,7 @@ class SaturatedBackend:
     async def healthy(self) -> bool:
         return True
 
-    async def openai(self, route: str, body: dict[str, Any]) -> OpenAIReply:
+    async def openai(self, route: str, body: dict[str, Any], model: Any = None) -> OpenAIReply:
         self.bodies.append(body)
         if route == "models":
             return OpenAIReply(200, body={"object": "list", "data": [{"id": "tiny", "object": "model"}]})
