@@ -72,6 +72,8 @@ class TrainArgs(BaseModel):
     loss: Literal["sft", "grpo", "dr_grpo"] = "sft"
     kl_coef: float = Field(0.0, ge=0)
     clip_eps: float = Field(0.2, gt=0)
+    # Published full-weight checkpoints: "source" keeps each tensor's dtype of the base checkpoint.
+    publish_dtype: Literal["source", "float32", "bfloat16", "float16"] = "source"
 
     @field_validator("llm_name")
     @classmethod

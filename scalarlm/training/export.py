@@ -42,6 +42,11 @@ def gather_tp_shards(model: torch.nn.Module, arch: ModelArch, par: Parallel) -> 
     return shards if par.tp_rank == 0 else None
 
 
+def publish_dtypes(base_model: Path, dtype: str) -> dict[str, torch.dtype] | torch.dtype:
+    """The dtypes to publish in: each tensor's dtype in the base checkpoint ("source"), or the one asked for."""
+    return hf_io.source_dtypes(base_model) if dtype == "source" else hf_io.PUBLISH_DTYPES[dtype]
+
+
 def publish_checkpoint(
     job: JobDir,
     model: torch.nn.Module,
@@ -50,13 +55,16 @@ def publish_checkpoint(
     base_model: Path,
     base_config: dict[str, Any],
     manifest: CheckpointManifest,
+    dtype: str = "source",
 ) -> Path | None:
-    """Collectively publish `checkpoints/step-<N>/` in HF format; rank 0 writes it and returns its path."""
+    """Collectively publish `checkpoints/step-<N>/` in HF format (the base's tensor names, in `dtype`: "source"
+    keeps each tensor's base dtype); rank 0 writes it and returns its path."""
     shards = gather_tp_shards(model, arch, par)
     path = None
     if par.is_main and shards is not None:
         state = mcore_to_hf(shards, arch)
-        path = publish_step(job, manifest, lambda d: hf_io.write_checkpoint(d, state, base_model, base_config))
+        dtypes = publish_dtypes(base_model, dtype)
+        path = publish_step(job, manifest, lambda d: hf_io.write_checkpoint(d, state, base_model, base_config, dtypes))
         logger.info("published %s", path)
     dist.barrier()
     return path

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from scalarlm.checkpoint import JobDir, publish_step
 from scalarlm.protocol.training import CheckpointManifest, TrainArgs, TrainJobConfig
 from scalarlm.training import hf_io
-from scalarlm.training.convert import hf_to_mcore, mark_tensor_parallel
+from scalarlm.training.convert import mark_tensor_parallel
 from scalarlm.training import lora
 from scalarlm.training.data import BlockStream, DataStats, StepBatch, encode_rows, step_batch
 from scalarlm.training.export import publish_checkpoint
@@ -39,6 +39,7 @@ from scalarlm.training.optim import build_optimizer, wrap_data_parallel
 from scalarlm.training.parallel import Parallel
 from scalarlm.training.rows import Row
 from scalarlm.training.schedule import lr_at
+from scalarlm.training.shard_load import load_rank_params
 from scalarlm.training.state import latest_state, load_state, save_state
 
 logger = logging.getLogger(__name__)
@@ -104,15 +105,16 @@ class Trainer:
     def _build_model(self) -> torch.nn.Module:
         """The GPTModel shard of this TP rank, loaded from the base HF checkpoint."""
         model = build_gpt_model(self.arch, self.par.tp_size, self.bf16)
-        hf = hf_io.load_weights(self.base)
-        mcore = hf_to_mcore(hf, self.arch, self.par.tp_rank, self.par.tp_size)
+        # Each rank reads only the slices of the HF tensors its shard holds (no full copy of the model).
+        mcore, read = load_rank_params(self.base, self.arch, self.par.tp_rank, self.par.tp_size)
+        logger.info("rank %d read %d of %d checkpoint bytes", self.par.rank, read["bytes_read"], read["stored_bytes"])
         params = dict(model.named_parameters())
         if set(params) != set(mcore):
             raise RuntimeError(f"converter/model mismatch: {sorted(set(params) ^ set(mcore))[:4]}")
         with torch.no_grad():
             for name, value in mcore.items():
                 params[name].copy_(value)
-        del hf, mcore
+        del mcore
         mark_tensor_parallel(model, self.arch)
         return model.to(self.par.device)
 
@@ -153,7 +155,8 @@ class Trainer:
         if self.lora:
             self._publish_adapter(manifest)
         else:
-            publish_checkpoint(self.job, self.model, self.arch, self.par, self.base, self.base_config, manifest)
+            publish_checkpoint(self.job, self.model, self.arch, self.par, self.base, self.base_config, manifest,
+                               self.args.publish_dtype)
         if self.par.is_main:
             notify_published(self.config.job_id, self.step)
 

@@ -1,0 +1,70 @@
+"""HF checkpoint files: lazy, sliced reads of sharded safetensors (counted) and publishing in the source's dtypes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from scalarlm.training import hf_io
+
+
+@pytest.fixture
+def sharded(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Three bf16/fp16/fp32 tensors written as three shards with an index."""
+    gen = torch.Generator().manual_seed(0)
+    state = {
+        "a.weight": torch.randn(8, 6, generator=gen).to(torch.bfloat16),
+        "b.weight": torch.randn(10, 4, generator=gen).to(torch.float16),
+        "c.bias": torch.randn(12, generator=gen),
+    }
+    files = hf_io.save_safetensors(tmp_path, state, max_shard_bytes=100)
+    assert len(files) == 3 and (tmp_path / hf_io.INDEX_NAME).exists()
+    return tmp_path, state
+
+
+def test_index_maps_names_and_reads_are_lazy_and_counted(sharded) -> None:
+    root, state = sharded
+    index = json.loads((root / hf_io.INDEX_NAME).read_text())
+    assert index["metadata"]["total_size"] == 8 * 6 * 2 + 10 * 4 * 2 + 12 * 4
+    with hf_io.Weights(root, dtype=None) as w:
+        assert set(w) == set(state) and w.bytes_read == 0  # names come from the index
+        assert w.source_dtype("a.weight") == torch.bfloat16 and w.shape("b.weight") == (10, 4)
+        rows = w.read_ranges("a.weight", 0, [(0, 2), (6, 8)])
+        assert torch.equal(rows, torch.cat([state["a.weight"][0:2], state["a.weight"][6:8]]))
+        cols = w.read_ranges("b.weight", 1, [(2, 4)])
+        assert torch.equal(cols, state["b.weight"][:, 2:4])
+        assert w.bytes_read == 4 * 6 * 2 + 10 * 2 * 2
+        assert w.reads == [("a.weight", (4, 6)), ("b.weight", (10, 2))]
+        assert w.stored_bytes() == index["metadata"]["total_size"]
+    with hf_io.Weights(root) as w:  # default: cast each tensor to fp32 as it is read
+        assert w["b.weight"].dtype == torch.float32
+        assert torch.equal(w["b.weight"], state["b.weight"].float())
+    assert hf_io.tensor_names(root) == set(state)
+    assert hf_io.source_dtypes(root) == {k: v.dtype for k, v in state.items()}
+
+
+def test_publish_keeps_source_dtypes_and_shards(sharded, tmp_path: Path) -> None:
+    root, state = sharded
+    (root / "config.json").write_text(json.dumps({"torch_dtype": "float32", "eos_token_id": 1, "bos_token_id": 0}))
+    (root / "tokenizer.json").write_text("{}")
+    (root / "chat_template.jinja").write_text("{{ messages }}")
+    trained = {k: v.float() + 1 for k, v in state.items()}  # what the trainer holds: fp32
+    dest = tmp_path / "out"
+    dest.mkdir()
+    hf_io.write_checkpoint(dest, trained, root, hf_io.read_config(root), hf_io.source_dtypes(root), max_shard_bytes=100)
+    assert hf_io.source_dtypes(dest) == {k: v.dtype for k, v in state.items()}
+    assert (dest / hf_io.INDEX_NAME).exists() and len(list(dest.glob("model-*.safetensors"))) == 3
+    assert torch.equal(hf_io.load_weights(dest, torch.float16)["b.weight"], trained["b.weight"].half())
+    assert json.loads((dest / "config.json").read_text())["torch_dtype"] in ("bfloat16", "float16", "float32")
+    assert json.loads((dest / "generation_config.json").read_text()) == {"bos_token_id": 0, "eos_token_id": 1}
+    assert (dest / "tokenizer.json").exists() and (dest / "chat_template.jinja").exists()
+
+    single = tmp_path / "single"
+    single.mkdir()
+    hf_io.write_checkpoint(single, trained, root, {"dtype": "bfloat16"}, torch.float32)  # the job asked for fp32
+    assert [p.name for p in single.glob("*.safetensors")] == ["model.safetensors"]
+    assert set(hf_io.source_dtypes(single).values()) == {torch.float32}
+    assert json.loads((single / "config.json").read_text())["dtype"] == "float32"
