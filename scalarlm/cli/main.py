@@ -8,6 +8,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from scalarlm.cli.tiny_model import FAMILIES
+
 logger = logging.getLogger(__name__)
 
 
@@ -47,8 +49,9 @@ def _add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--family", choices=["llama", "qwen2"], default="llama")
-    p.add_argument("--tie-embeddings", action="store_true")
+    p.add_argument("--family", choices=FAMILIES, default="llama", help="model family (its real config fields)")
+    p.add_argument("--tie-embeddings", action="store_true", default=None,
+                   help="tie the output layer to the embedding (default: as the family's real checkpoints do)")
     p.set_defaults(func=_run_make_tiny_model)
 
 

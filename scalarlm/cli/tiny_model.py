@@ -1,9 +1,13 @@
-"""Build a tiny random-weight Llama-family model with a locally trained tokenizer.
+"""Build a tiny random-weight model of any supported family with a locally trained tokenizer.
 
 Tests, the demo and benchmarks need a real Hugging Face checkpoint that transformers, vLLM, PEFT and
 the megatron converter all load, without downloading anything. This writes one in a few seconds:
 random weights (std 0.08, so greedy outputs vary between prompts), float32 safetensors, and a byte-level
 BPE tokenizer trained on a small built-in corpus, with a chat template. Same seed -> same files.
+
+Each family is built offline from its transformers config class with the fields that family's real
+checkpoints set (Qwen3's q/k norms, Llama 3.2's `llama3` RoPE, SmolLM3's NoPE layers, Phi-3's fused
+projections, Mistral's sliding window), scaled down; head size stays 64 for vLLM's CPU attention.
 """
 
 from __future__ import annotations
@@ -15,7 +19,11 @@ from typing import Literal
 
 logger = logging.getLogger(__name__)
 
-Family = Literal["llama", "qwen2"]
+# `--family` names: the trainer's families (scalarlm.training.families) plus llama3 (Llama with llama3 RoPE).
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3")
+Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3"]
+# Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3).
+TIED_BY_DEFAULT = frozenset({"qwen3", "llama3", "smollm3"})
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<unk>"]
 # vLLM's CPU attention kernels support only these head sizes.
@@ -106,8 +114,8 @@ def _model_config(
     tie_embeddings: bool,
     token_ids: dict[str, int],
 ):
-    """The transformers config for the requested family."""
-    from transformers import LlamaConfig, Qwen2Config
+    """The transformers config for the requested family (its real fields, tiny sizes)."""
+    import transformers
 
     common = dict(
         vocab_size=vocab,
@@ -122,11 +130,32 @@ def _model_config(
         tie_word_embeddings=tie_embeddings,
         **token_ids,
     )
+    head_dim = hidden // heads
     if family == "llama":
-        return LlamaConfig(head_dim=hidden // heads, attention_bias=False, mlp_bias=False, **common)
+        return transformers.LlamaConfig(head_dim=head_dim, attention_bias=False, mlp_bias=False, **common)
+    if family == "llama3":
+        # Llama 3.2's RoPE with its original context scaled down, so positions past it (where the scaling changes
+        # the angles of the low frequencies) fit a CPU test, and factors megatron does not hard-code.
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": max(64, max_position // 8)}  # fmt: skip
+        return transformers.LlamaConfig(head_dim=head_dim, attention_bias=False, mlp_bias=False, rope_parameters=rope,
+                                        **common)  # fmt: skip
+    if family == "mistral":
+        return transformers.MistralConfig(head_dim=head_dim, sliding_window=8, **common)
     if family == "qwen2":
-        return Qwen2Config(use_sliding_window=False, **common)
-    raise ValueError(f"unknown family {family!r}; expected 'llama' or 'qwen2'")
+        return transformers.Qwen2Config(use_sliding_window=False, **common)
+    if family == "qwen3":
+        return transformers.Qwen3Config(head_dim=head_dim, attention_bias=False, use_sliding_window=False,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                                        **common)  # fmt: skip
+    if family == "smollm3":
+        # Every `no_rope_layer_interval`-th layer skips RoPE (interval 4 in SmolLM3-3B; 2 here so 2 layers show it).
+        return transformers.SmolLM3Config(no_rope_layer_interval=2, use_sliding_window=False, attention_bias=False,
+                                          mlp_bias=False, **common)  # fmt: skip
+    if family == "phi3":
+        return transformers.Phi3Config(resid_pdrop=0.0, embd_pdrop=0.0, original_max_position_embeddings=max_position,
+                                       **common)  # fmt: skip
+    raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
 def _randomize(model, seed: int) -> None:
@@ -155,7 +184,7 @@ def make_tiny_model(
     family: Family = "llama",
     intermediate: int | None = None,
     max_position: int = 1024,
-    tie_embeddings: bool = False,
+    tie_embeddings: bool | None = None,
 ) -> Path:
     """Write a random-weight model + tokenizer to `path` (float32 safetensors) and return the path."""
     import torch
@@ -180,7 +209,8 @@ def make_tiny_model(
     }
     config = _model_config(
         family, len(tokenizer), hidden, layers, heads, kv_heads,
-        intermediate or 2 * hidden, max_position, tie_embeddings, token_ids,
+        intermediate or 2 * hidden, max_position,
+        family in TIED_BY_DEFAULT if tie_embeddings is None else tie_embeddings, token_ids,
     )
     config.dtype = torch.float32
     torch.manual_seed(seed)

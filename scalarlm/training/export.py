@@ -14,7 +14,7 @@ from scalarlm.checkpoint import JobDir, publish_step
 from scalarlm.protocol.training import CheckpointManifest
 from scalarlm.training import hf_io
 from scalarlm.training.convert import mcore_to_hf, tp_kinds
-from scalarlm.training.model import ModelArch
+from scalarlm.training.families import ModelArch
 from scalarlm.training.parallel import Parallel
 
 logger = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from scalarlm.training.grpo import GroupStream
 from scalarlm.training.rl_step import grpo_step
 from scalarlm.training.losses import sft_loss, token_losses
 from scalarlm.training.notify import notify_published
-from scalarlm.training.model import arch_from_hf_config, build_gpt_model
+from scalarlm.training.model import build_gpt_model, model_arch
 from scalarlm.training.optim import build_optimizer, wrap_data_parallel
 from scalarlm.training.parallel import Parallel
 from scalarlm.training.rows import Row
@@ -65,8 +65,7 @@ class Trainer:
         self.args = args = config.train_args
         self.base = Path(config.base_model)
         self.base_config = hf_io.read_config(self.base)
-        qkv_bias = any(name.endswith("self_attn.q_proj.bias") for name in hf_io.tensor_names(self.base))
-        self.arch = arch_from_hf_config(self.base_config, qkv_bias=qkv_bias)
+        self.arch = model_arch(self.base)
         self.bf16 = par.on_gpu and args.dtype != "float32"
         _warn_unimplemented(args)
 
@@ -163,8 +162,8 @@ class Trainer:
     def _publish_adapter(self, manifest: CheckpointManifest) -> None:
         """Rank 0 writes the adapter (every rank holds the full, identical A/B) with the tokenizer files."""
         if self.par.is_main:
-            state = lora.peft_state(self.model)
-            config = lora.peft_config(self.args.lora_config, str(self.config.base_model))
+            state = lora.peft_state(self.model, self.arch)
+            config = lora.peft_config(self.args.lora_config, self.arch, str(self.config.base_model))
 
             def write(dest: Path) -> None:
                 lora.write_adapter(dest, state, config)

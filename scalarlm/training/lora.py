@@ -1,8 +1,9 @@
 """LoRA on the megatron model, named and exported the way PEFT names Hugging Face modules.
 
-Megatron fuses q/k/v into `linear_qkv` and gate/up into `linear_fc1`; LoRA is defined per HF projection
-(``q_proj``, ``k_proj``, ... ``down_proj``) as a low-rank delta ``scale * B @ A @ x`` added to the fused output in
-megatron's layout, so the exported A/B are exactly PEFT's ``lora_A`` / ``lora_B`` of the HF module.
+Megatron fuses q/k/v into `linear_qkv` and gate/up into `linear_fc1`; LoRA is defined per HF module the family
+declares (``q_proj`` ... ``down_proj``, or Phi-3's fused ``qkv_proj`` / ``gate_up_proj``, which is what vLLM loads)
+as a low-rank delta ``scale * B @ A @ x`` added to the fused output, laid out by `families.layouts` exactly as the
+weights are, so the exported A/B are exactly PEFT's ``lora_A`` / ``lora_B`` of the HF module.
 
 Tensor parallelism (kept simple): every rank holds the full A and B (replicated). Column-parallel layers compute
 the full delta and keep this rank's slice; row-parallel layers multiply their input shard by A's matching columns and
@@ -26,19 +27,20 @@ from torch import Tensor, nn
 
 from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.protocol.training import LoraConfig
-from scalarlm.training.model import ModelArch
+from scalarlm.training.families import ModelArch, family_of, layouts
+from scalarlm.training.families.spec import Kind
 
-ATTN = ("q_proj", "k_proj", "v_proj")
-MLP_IN = ("gate_proj", "up_proj")
-# megatron linear -> (HF module path inside a layer, the HF projections it fuses, column or row parallel)
-LINEARS = {
-    "self_attention.linear_qkv": ("self_attn", ATTN, "column"),
-    "self_attention.linear_proj": ("self_attn", ("o_proj",), "row"),
-    "mlp.linear_fc1": ("mlp", MLP_IN, "column"),
-    "mlp.linear_fc2": ("mlp", ("down_proj",), "row"),
-}
-PEFT_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ALL_TARGETS = frozenset(PEFT_ORDER)
+
+def linears(arch: ModelArch) -> dict[str, tuple[str, tuple[str, ...], Kind]]:
+    """megatron linear -> (HF module path inside a layer, the HF modules it fuses, its TP kind)."""
+    attn = ("qkv_proj",) if arch.fused_qkv else ("q_proj", "k_proj", "v_proj")
+    mlp = ("gate_up_proj",) if arch.fused_gate_up else ("gate_proj", "up_proj")
+    return {
+        "self_attention.linear_qkv": ("self_attn", attn, "qkv"),
+        "self_attention.linear_proj": ("self_attn", ("o_proj",), "dim1"),
+        "mlp.linear_fc1": ("mlp", mlp, "fc1"),
+        "mlp.linear_fc2": ("mlp", ("down_proj",), "dim1"),
+    }
 
 
 class LoraPair(nn.Module):
@@ -56,19 +58,23 @@ class LoraPair(nn.Module):
 class LoraSet(nn.Module):
     """The adapters of one megatron linear (one per fused HF projection it holds that is targeted)."""
 
-    def __init__(self, pairs: dict[str, LoraPair], kind: str, scale: float, dropout: float) -> None:
+    def __init__(self, pairs: dict[str, LoraPair], kind: str, layout: Kind, scale: float, dropout: float) -> None:
         super().__init__()
         self.pairs = nn.ModuleDict(pairs)
-        self.kind = kind
+        self.kind = kind  # "column" or "row" parallel
+        self.layout = layout  # how the fused HF modules sit in megatron's output (families.layouts)
         self.scale = scale
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.enabled = True
 
 
 def _proj_shapes(arch: ModelArch) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each HF projection."""
+    """(in, out) features of each HF module."""
     h, d = arch.hidden_size, arch.head_dim
+    qkv = sum(layouts.qkv_sizes(arch))
     return {
+        "qkv_proj": (h, qkv),
+        "gate_up_proj": (h, 2 * arch.ffn_hidden_size),
         "q_proj": (h, arch.num_heads * d),
         "k_proj": (h, arch.num_kv_heads * d),
         "v_proj": (h, arch.num_kv_heads * d),
@@ -85,25 +91,16 @@ def _delta(lora: LoraSet, name: str, x: Tensor) -> Tensor:
 
 
 def _column_delta(lora: LoraSet, projs: tuple[str, ...], x: Tensor, arch: ModelArch, tp: tuple[int, int]) -> Tensor:
-    """This TP rank's slice of the fused delta, in megatron's layout ([q_g; k_g; v_g] groups or [gate_r; up_r])."""
+    """This TP rank's slice of the fused delta, in megatron's layout (the weights' layout, via `layouts`)."""
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
     rank, size = tp
     x = copy_to_tensor_model_parallel_region(lora.dropout(x))  # backward: sum the input grads of all TP ranks
     shapes = _proj_shapes(arch)
     lead = x.shape[:-1]
-    parts = [
-        _delta(lora, p, x) if p in lora.pairs else x.new_zeros(*lead, shapes[p][1])
-        for p in projs
-    ]
-    if projs == ATTN:
-        g, d = arch.num_kv_heads, arch.head_dim
-        q, k, v = parts
-        fused = torch.cat(
-            [q.reshape(*lead, g, arch.heads_per_group * d), k.reshape(*lead, g, d), v.reshape(*lead, g, d)], dim=-1
-        ).reshape(*lead, -1)
-        return torch.chunk(fused, size, dim=-1)[rank]
-    return torch.cat([torch.chunk(part, size, dim=-1)[rank] for part in parts], dim=-1)
+    parts = [_delta(lora, p, x) if p in lora.pairs else x.new_zeros(*lead, shapes[p][1]) for p in projs]
+    full = layouts.to_mcore(lora.layout, parts, arch, axis=-1)
+    return layouts.shard(full, lora.layout, rank, size, axis=-1)
 
 
 def _row_delta(lora: LoraSet, proj: str, x: Tensor, tp: tuple[int, int]) -> Tensor:
@@ -132,33 +129,52 @@ def _make_hook(lora: LoraSet, projs: tuple[str, ...], kind: str, arch: ModelArch
     return hook
 
 
-def check_targets(config: LoraConfig) -> list[str]:
-    """The targeted HF projections; InvalidRequest for names this trainer cannot place."""
-    unknown = sorted(set(config.target_modules) - ALL_TARGETS)
-    if unknown or not config.target_modules:
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def check_targets(config: LoraConfig, arch: ModelArch) -> list[str]:
+    """The targeted HF modules in PEFT order; InvalidRequest for names this family cannot place.
+
+    Where HF fuses modules (Phi-3's qkv_proj, gate_up_proj), naming all of their parts (as the default targets do)
+    targets the fused module; naming only some of them cannot be placed and is refused.
+    """
+    allowed = family_of(arch).lora_targets
+    requested = set(config.target_modules)
+    for fused, parts in _FUSED.items():
+        if fused in allowed and requested & set(parts):
+            if not requested >= set(parts):
+                raise InvalidRequest(
+                    f"lora_config.target_modules: {arch.family} fuses {list(parts)} into {fused!r}; "
+                    f"target all of them or {fused!r}",
+                    param="train_args",
+                )
+            requested = (requested - set(parts)) | {fused}
+    unknown = sorted(requested - set(allowed))
+    if unknown or not requested:
         raise InvalidRequest(
-            f"lora_config.target_modules {unknown or '[]'} not supported; choose from {sorted(ALL_TARGETS)}",
+            f"lora_config.target_modules {unknown or '[]'} not supported for {arch.family}; choose from {list(allowed)}",
             param="train_args",
         )
-    return [p for p in PEFT_ORDER if p in config.target_modules]
+    return [p for p in allowed if p in requested]
 
 
 def attach_lora(model: nn.Module, arch: ModelArch, config: LoraConfig, tp_rank: int, tp_size: int, seed: int) -> list[LoraSet]:
     """Freeze `model` and add LoRA adapters (identical on every TP rank: seeded init) to the targeted linears."""
-    targets = set(check_targets(config))
+    targets = set(check_targets(config, arch))
     for p in model.parameters():
         p.requires_grad_(False)
     gen = torch.Generator().manual_seed(seed + 1_234_567)
     shapes = _proj_shapes(arch)
     sets = []
     for layer in model.decoder.layers:
-        for path, (_, projs, kind) in LINEARS.items():
+        for path, (_, projs, layout) in linears(arch).items():
             chosen = [p for p in projs if p in targets]
             if not chosen:
                 continue
+            kind = "row" if layout == "dim1" else "column"
             linear = layer.get_submodule(path)
             pairs = {p: LoraPair(config.r, shapes[p][0], shapes[p][1], gen) for p in chosen}
-            lora = LoraSet(pairs, kind, config.alpha / config.r, config.dropout)
+            lora = LoraSet(pairs, kind, layout, config.alpha / config.r, config.dropout)
             device = next(linear.parameters()).device
             lora.to(device)
             linear.lora = lora
@@ -200,11 +216,11 @@ def allreduce_lora_grads(model: nn.Module, group: dist.ProcessGroup, tp_size: in
                     dist.all_reduce(grad, group=group)
 
 
-def peft_state(model: nn.Module) -> dict[str, Tensor]:
+def peft_state(model: nn.Module, arch: ModelArch) -> dict[str, Tensor]:
     """The adapters as PEFT's adapter_model.safetensors keys (fp32 copies on CPU)."""
     out: dict[str, Tensor] = {}
     for i, layer in enumerate(model.decoder.layers):
-        for path, (hf_module, projs, _) in LINEARS.items():
+        for path, (hf_module, _, _) in linears(arch).items():
             lora = getattr(layer.get_submodule(path), "lora", None)
             if lora is None:
                 continue
@@ -215,7 +231,7 @@ def peft_state(model: nn.Module) -> dict[str, Tensor]:
     return out
 
 
-def peft_config(config: LoraConfig, base_model: str) -> dict[str, Any]:
+def peft_config(config: LoraConfig, arch: ModelArch, base_model: str) -> dict[str, Any]:
     """adapter_config.json for PEFT and vLLM."""
     return {
         "peft_type": "LORA",
@@ -224,7 +240,7 @@ def peft_config(config: LoraConfig, base_model: str) -> dict[str, Any]:
         "r": config.r,
         "lora_alpha": config.alpha,
         "lora_dropout": config.dropout,
-        "target_modules": check_targets(config),
+        "target_modules": check_targets(config, arch),
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,

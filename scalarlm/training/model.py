@@ -1,104 +1,31 @@
-"""Build a megatron-core GPTModel (local layer spec, no TransformerEngine) from a Hugging Face Llama-family config.
+"""Build a megatron-core GPTModel (local layer spec, no TransformerEngine) for a family's `ModelArch`.
 
-Llama, Mistral and Qwen2 share one shape: RMSNorm, SwiGLU MLP, RoPE, grouped-query attention, optional qkv bias,
-tied or untied embeddings. `ModelArch` reads that shape from `config.json` once; everything downstream (converter,
-loss, loop) works from `ModelArch` and never branches on the model type.
+Every supported family is a dense decoder: RMSNorm, SwiGLU MLP, RoPE, grouped-query attention. `ModelArch` (read
+by `families.read_arch`) carries what differs: qkv bias, q/k norms, llama3 RoPE frequencies, layers without RoPE,
+per-layer sliding windows. Nothing here branches on the model type.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any
+import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.training.families import ModelArch, check_tensor_parallel, read_arch
+from scalarlm.training.families.checkpoint import read_config, tensor_names
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+__all__ = ["ModelArch", "build_gpt_model", "check_tensor_parallel", "document_bounds", "model_arch", "transformer_config"]
 
 
-@dataclass(frozen=True)
-class ModelArch:
-    """The dense Llama-family shape, read from an HF `config.json`."""
-
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn_hidden_size: int
-    norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tied_embeddings: bool
-    qkv_bias: bool
-    attention_dropout: float = 0.0
-
-    @property
-    def heads_per_group(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-
-def _rope_theta(config: dict[str, Any]) -> float:
-    params = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise InvalidRequest(f"RoPE scaling {rope_type!r} is not supported by the trainer yet")
-    return float(params.get("rope_theta") or config.get("rope_theta") or 10000.0)
-
-
-def arch_from_hf_config(config: dict[str, Any], qkv_bias: bool) -> ModelArch:
-    """Read the model shape from an HF config dict; `qkv_bias` comes from the checkpoint's tensor names."""
-    archs = set(config.get("architectures") or [])
-    if not archs & SUPPORTED_ARCHITECTURES:
-        raise InvalidRequest(
-            f"model architecture {sorted(archs) or config.get('model_type')} is not supported; "
-            f"expected one of {sorted(SUPPORTED_ARCHITECTURES)}"
-        )
-    if config.get("hidden_act", "silu") != "silu":
-        raise InvalidRequest(f"activation {config.get('hidden_act')!r} is not supported (SwiGLU/silu only)")
-    if config.get("mlp_bias") or (config.get("attention_bias") and not qkv_bias):
-        raise InvalidRequest("biases on the MLP or the attention output are not supported")
-    heads = int(config["num_attention_heads"])
-    hidden = int(config["hidden_size"])
-    window = config.get("sliding_window")
-    if window and config.get("use_sliding_window", True):
-        logger.warning("sliding_window=%s is ignored: sequences are trained with full causal attention", window)
-    return ModelArch(
-        vocab_size=int(config["vocab_size"]),
-        hidden_size=hidden,
-        num_layers=int(config["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_dim") or hidden // heads),
-        ffn_hidden_size=int(config["intermediate_size"]),
-        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(config),
-        max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
-        attention_dropout=float(config.get("attention_dropout", 0.0) or 0.0),
-    )
-
-
-def check_tensor_parallel(arch: ModelArch, tp: int) -> None:
-    """Raise InvalidRequest unless the model splits evenly over `tp` ranks."""
-    for what, n in (
-        ("num_key_value_heads", arch.num_kv_heads),
-        ("num_attention_heads", arch.num_heads),
-        ("vocab_size", arch.vocab_size),
-        ("intermediate_size", arch.ffn_hidden_size),
-    ):
-        if n % tp:
-            raise InvalidRequest(f"tensor_parallel_size {tp} must divide the model's {what} ({n})")
-
+def model_arch(model_dir: Path) -> ModelArch:
+    """The trained shape of the HF checkpoint in `model_dir` (InvalidRequest naming what its family refuses)."""
+    return read_arch(read_config(model_dir), tensor_names(model_dir))
 
 def transformer_config(arch: ModelArch, tp: int, bf16: bool):
     """The megatron TransformerConfig for `arch`: fusions off, per-token loss (the SFT loss sums over the batch)."""
@@ -118,6 +45,9 @@ def transformer_config(arch: ModelArch, tp: int, bf16: bool):
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_layernorm,
+        # megatron's convention is the opposite of HF's no_rope_layers: 1 = skip RoPE on that layer
+        no_rope_freq=[0 if arch.uses_rope(i) else 1 for i in range(arch.num_layers)] if arch.rope_layers else None,
         hidden_dropout=0.0,
         attention_dropout=arch.attention_dropout,
         tensor_model_parallel_size=tp,
@@ -150,13 +80,21 @@ def document_bounds(bounds: tuple[int, ...]):
     return params
 
 
-def _sdpa_attention_class():
+def _window_mask(n: int, window: int, device: torch.device) -> Tensor:
+    """[n, n] True where query i may attend key j: causal and i - j < window (HF's sliding_window_overlay)."""
+    i = torch.arange(n, device=device)
+    offset = i[:, None] - i[None, :]
+    return (offset >= 0) & (offset < window)
+
+
+def _sdpa_attention_class(arch: ModelArch):
     """megatron's local DotProductAttention with its core replaced by torch SDPA (flash kernel on CPU and GPU)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class SdpaAttention(DotProductAttention):
         """Causal attention over [S, B, heads, d]: per document when `packed_seq_params` names document bounds,
-        else under `attention_mask` ([B, 1, S, S], True = hidden), else plain causal."""
+        else under `attention_mask` ([B, 1, S, S], True = hidden), else plain causal; within the layer's sliding
+        window when the family has one (per layer, exactly as HF masks it)."""
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):  # fmt: skip
@@ -169,15 +107,24 @@ def _sdpa_attention_class():
             seq, batch = query.shape[0], query.shape[1]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [B, heads, S, d]
             opts = {"scale": self.softmax_scale, "dropout_p": self.attention_dropout.p if self.training else 0.0}
+            window = arch.window(self.layer_number - 1)  # megatron numbers layers from 1
+
+            def causal(q, k, v, allowed=None):
+                if window is not None:
+                    local = _window_mask(q.shape[2], window, q.device)
+                    allowed = local if allowed is None else allowed & local
+                if allowed is None:
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True, **opts)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, **opts)
+
             bounds = getattr(packed_seq_params, "bounds", None)
             if bounds is not None:
-                out = torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b],
-                                                                is_causal=True, **opts)
+                out = torch.cat([causal(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b])
                                  for a, b in zip(bounds[:-1], bounds[1:])], dim=2)  # fmt: skip
             elif attention_mask is not None:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, **opts)
+                out = causal(q, k, v, ~attention_mask)
             else:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **opts)
+                out = causal(q, k, v)
             return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
     return SdpaAttention
@@ -204,10 +151,10 @@ def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool 
             return (out[0], _per_document_rope(out[1], position_ids), *out[2:])
 
     check_tensor_parallel(arch, tp)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_layernorm)
     # SDPA instead of megatron's unfused baddbmm + masked softmax + bmm (same maths, one fused kernel).
-    spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
-    return PackedGPTModel(
+    spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class(arch)
+    model = PackedGPTModel(
         config=transformer_config(arch, tp, bf16),
         transformer_layer_spec=spec,
         vocab_size=arch.vocab_size,
@@ -220,3 +167,21 @@ def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool 
         rotary_percent=1.0,
         rotary_base=arch.rope_theta,
     )
+    if arch.llama3_rope is not None:
+        # megatron's own llama3 scaling hard-codes low/high_freq_factor and original_max_position_embeddings.
+        model.rotary_pos_emb.inv_freq = llama3_inv_freq(arch)
+    return model
+
+
+def llama3_inv_freq(arch: ModelArch) -> Tensor:
+    """RoPE inverse frequencies of `rope_type: llama3`, computed from the config as transformers does."""
+    factor, low, high, old_len = arch.llama3_rope  # type: ignore[misc]
+    dim = arch.head_dim
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)

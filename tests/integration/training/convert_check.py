@@ -5,6 +5,10 @@ through the converter, and prints one JSON line (rank 0) with
 * `max_diff`: max |logits(HF transformers) - logits(megatron)| on a random batch (full causal mask);
 * `packed_diff`: the same for two documents packed into one sequence with the per-document mask and
   restarting positions, against HF run on each document alone (no attention across documents);
+* `long_diff`: the same on one sequence of `LONG` tokens, past the original context of a scaled RoPE (llama3)
+  and much longer than any sliding window;
+* `builtin_rope_diff` (llama3 models): `long_diff` with megatron's own llama3 scaling (hard-coded factors) instead
+  of the config's: large, so the long positions really test the scaling;
 * `roundtrip_exact`: gathering the TP shards and mapping mcore -> HF reproduces every HF tensor bit for bit.
 """
 
@@ -17,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+LONG = 600
+
 
 def check(model_dir: Path, par) -> dict:
     from transformers import AutoModelForCausalLM
@@ -25,10 +31,9 @@ def check(model_dir: Path, par) -> dict:
     from scalarlm.training.convert import hf_to_mcore, mark_tensor_parallel, mcore_to_hf
     from scalarlm.training.data import Block, collate
     from scalarlm.training.export import gather_tp_shards
-    from scalarlm.training.model import arch_from_hf_config, build_gpt_model
+    from scalarlm.training.model import build_gpt_model, model_arch
 
-    names = hf_io.tensor_names(model_dir)
-    arch = arch_from_hf_config(hf_io.read_config(model_dir), qkv_bias=any(n.endswith("q_proj.bias") for n in names))
+    arch = model_arch(model_dir)
     model = build_gpt_model(arch, par.tp_size, bf16=False, parallel_output=False)
     hf = hf_io.load_weights(model_dir)
     params = dict(model.named_parameters())
@@ -50,6 +55,23 @@ def check(model_dir: Path, par) -> dict:
         theirs = ref(ids).logits
         ours_packed = model(packed.tokens, packed.position_ids, packed.attention_mask)[0, :24]
         theirs_packed = torch.cat([ref(doc_a[None]).logits[0], ref(doc_b[None]).logits[0]])
+        long_ids = torch.randint(0, arch.vocab_size, (1, LONG), generator=gen)
+        long_mask = torch.ones(LONG, LONG, dtype=torch.bool).triu(1)[None, None]
+        long_pos = torch.arange(LONG)[None]
+        theirs_long = ref(long_ids).logits
+        long_diff = (model(long_ids, long_pos, long_mask) - theirs_long).abs().max().item()
+        builtin = None
+        if arch.llama3_rope is not None:
+            from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+            rope = model.rotary_pos_emb
+            ours_freq = rope.inv_freq
+            base = 1.0 / (arch.rope_theta ** (torch.arange(0, arch.head_dim, 2, dtype=torch.float32) / arch.head_dim))
+            rope.inv_freq = rope._apply_scaling(base, factor=arch.llama3_rope[0])
+            RotaryEmbedding.forward.cache_clear()
+            builtin = (model(long_ids, long_pos, long_mask) - theirs_long).abs().max().item()
+            rope.inv_freq = ours_freq
+            RotaryEmbedding.forward.cache_clear()
     shards = gather_tp_shards(model, arch, par)
     exact = None
     if shards is not None:
@@ -60,6 +82,8 @@ def check(model_dir: Path, par) -> dict:
         "tp": par.tp_size,
         "max_diff": (ours - theirs).abs().max().item(),
         "packed_diff": (ours_packed - theirs_packed).abs().max().item(),
+        "long_diff": long_diff,
+        "builtin_rope_diff": builtin,
         "roundtrip_exact": exact,
     }
 

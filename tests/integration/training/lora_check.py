@@ -25,9 +25,9 @@ def check(model_dir: Path, out: Path, par) -> dict:
     from scalarlm.protocol.training import LoraConfig
     from scalarlm.training import hf_io, lora
     from scalarlm.training.convert import hf_to_mcore, mark_tensor_parallel
-    from scalarlm.training.model import arch_from_hf_config, build_gpt_model
+    from scalarlm.training.model import build_gpt_model, model_arch
 
-    arch = arch_from_hf_config(hf_io.read_config(model_dir), qkv_bias=False)
+    arch = model_arch(model_dir)
     model = build_gpt_model(arch, par.tp_size, bf16=False, parallel_output=False)
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -57,7 +57,7 @@ def check(model_dir: Path, out: Path, par) -> dict:
     if not par.is_main:
         dist.barrier()
         return {}
-    lora.write_adapter(out, lora.peft_state(model), lora.peft_config(config, str(model_dir)))
+    lora.write_adapter(out, lora.peft_state(model, arch), lora.peft_config(config, arch, str(model_dir)))
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         plain = base(ids).logits

@@ -11,7 +11,8 @@ from scalarlm.cli.tiny_model import make_tiny_model
 from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.training import hf_io
 from scalarlm.training.convert import hf_tensor_names, hf_to_mcore, mcore_to_hf
-from scalarlm.training.model import arch_from_hf_config, check_tensor_parallel
+from scalarlm.training.families import check_tensor_parallel, read_arch
+from scalarlm.training.model import model_arch
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +23,7 @@ def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _load(model_dir: Path):
-    names = hf_io.tensor_names(model_dir)
-    arch = arch_from_hf_config(hf_io.read_config(model_dir), qkv_bias=any(n.endswith("q_proj.bias") for n in names))
-    return arch, hf_io.load_weights(model_dir)
+    return model_arch(model_dir), hf_io.load_weights(model_dir)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -65,10 +64,11 @@ def test_tp_shards_hold_whole_kv_groups_and_split_gate_and_up(qwen2_dir: Path) -
 
 def test_unsupported_models_and_layouts_are_rejected(tiny_model_dir: Path) -> None:
     config = hf_io.read_config(tiny_model_dir)
+    names = hf_io.tensor_names(tiny_model_dir)
     with pytest.raises(InvalidRequest, match="not supported"):
-        arch_from_hf_config({**config, "architectures": ["GPT2LMHeadModel"]}, qkv_bias=False)
-    with pytest.raises(InvalidRequest, match="RoPE scaling"):
-        arch_from_hf_config({**config, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, qkv_bias=False)
-    arch = arch_from_hf_config(config, qkv_bias=False)
+        read_arch({**config, "architectures": ["GPT2LMHeadModel"]}, names)
+    with pytest.raises(InvalidRequest, match="rope_type 'yarn'"):
+        read_arch({**config, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, names)
+    arch = read_arch(config, names)
     with pytest.raises(InvalidRequest, match="tensor_parallel_size 3"):
         check_tensor_parallel(arch, 3)

@@ -1,0 +1,57 @@
+"""Model families the trainer supports: one short declaration each, read without torch.
+
+`FAMILIES` maps each HF `architectures` entry to its `Family`; `read_arch(config, tensor_names)` is the one place
+that decides whether (and as what) a checkpoint is trained. The converter (`convert.py`), LoRA (`lora.py`) and the
+model builder (`model.py`) work from the resulting `ModelArch` and never branch on the model type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from scalarlm.training.families.gemma import REFUSED as _REFUSED
+from scalarlm.training.families.llama import LLAMA, MISTRAL, QWEN2
+from scalarlm.training.families.phi3 import PHI3
+from scalarlm.training.families.qwen3 import QWEN3
+from scalarlm.training.families.smollm3 import SMOLLM3
+from scalarlm.training.families.spec import (
+    Family,
+    ModelArch,
+    Refused,
+    Rule,
+    check_tensor_parallel,
+    hf_tensor_names,
+    rules,
+)
+from scalarlm.training.families.spec import read_arch as _read_arch
+
+FAMILY_LIST: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, PHI3)
+FAMILIES: dict[str, Family] = {arch: f for f in FAMILY_LIST for arch in f.architectures}
+BY_NAME: dict[str, Family] = {f.name: f for f in FAMILY_LIST}
+REFUSED: dict[str, Refused] = {arch: r for r in _REFUSED for arch in r.architectures}
+
+
+def read_arch(config: dict[str, Any], tensor_names: Iterable[str]) -> ModelArch:
+    """The trained shape of the model (`config.json` dict + its tensor names); InvalidRequest naming what is refused."""
+    return _read_arch(config, tensor_names, FAMILIES, REFUSED)
+
+
+def family_of(arch: ModelArch) -> Family:
+    return BY_NAME[arch.family]
+
+
+__all__ = [
+    "BY_NAME",
+    "FAMILIES",
+    "FAMILY_LIST",
+    "REFUSED",
+    "Family",
+    "ModelArch",
+    "Rule",
+    "check_tensor_parallel",
+    "family_of",
+    "hf_tensor_names",
+    "read_arch",
+    "rules",
+]

@@ -1,0 +1,19 @@
+"""Phi-3 / Phi-4 (dense): Llama's shape with HF's fused `qkv_proj` ([q; k; v]) and `gate_up_proj` ([gate; up]).
+
+`layouts.py` regroups qkv_proj per KV group for megatron's `linear_qkv`; gate_up_proj already is `linear_fc1`.
+LoRA targets the fused modules (`qkv_proj`, `gate_up_proj`), as vLLM loads Phi-3 adapters. `longrope` scaling
+(Phi-3.5, Phi-4-mini, the 128k Phi-3 models) and partial RoPE are refused until implemented.
+"""
+
+from __future__ import annotations
+
+from scalarlm.training.families.spec import Family, every_layer_window
+
+PHI3 = Family(
+    name="phi3",
+    architectures=("Phi3ForCausalLM",),
+    fused_qkv=True,
+    fused_gate_up=True,
+    windows=every_layer_window,
+    notes="fused qkv_proj / gate_up_proj; longrope refused",
+)

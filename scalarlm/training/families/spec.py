@@ -1,0 +1,311 @@
+"""What a model family is, read without torch: its shape (`ModelArch`), its tensor rules, its refusals.
+
+A `Family` is a declaration (one short module each: llama.py, qwen3.py, phi3.py, smollm3.py, gemma.py). `read_arch`
+turns an HF `config.json` dict plus the checkpoint's tensor names into a `ModelArch`, or raises `InvalidRequest`
+naming the field or tensor it cannot train exactly as Hugging Face runs it. Nothing here imports torch, so the
+control plane refuses an unsupported model at submission with the same code the trainer runs.
+
+`rules(arch)` lists every megatron parameter and the HF tensors it is made of; `layouts.py` (torch) does the fusing,
+splitting and TP sharding those rules name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from scalarlm.protocol.errors import InvalidRequest
+
+Kind = Literal["replicated", "dim0", "dim1", "qkv", "fc1"]
+ROPE_FIELD = "rope_parameters.rope_type"
+# Derived buffers some checkpoints carry; they are recomputed from the config, never trained.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One megatron parameter, the HF tensors it is made of (in order), and how it is split across TP ranks."""
+
+    mcore: str
+    hf: tuple[str, ...]
+    kind: Kind
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """A dense decoder's shape, read from an HF `config.json` (and its tensor names) by its family."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tied_embeddings: bool
+    qkv_bias: bool = False
+    attention_dropout: float = 0.0
+    qk_layernorm: bool = False
+    fused_qkv: bool = False  # HF holds one self_attn.qkv_proj ([q; k; v]) instead of q/k/v_proj
+    fused_gate_up: bool = False  # HF holds one mlp.gate_up_proj ([gate; up])
+    llama3_rope: tuple[float, float, float, int] | None = None  # factor, low_freq_factor, high_freq_factor, orig_max
+    rope_layers: tuple[bool, ...] = ()  # per layer: applies RoPE (empty = every layer)
+    windows: tuple[int | None, ...] = ()  # per layer: sliding window as HF applies it (empty = none)
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of 0-based `layer` (None = full causal attention)."""
+        return self.windows[layer] if self.windows else None
+
+    def uses_rope(self, layer: int) -> bool:
+        return self.rope_layers[layer] if self.rope_layers else True
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: the `architectures` it reads and how its config differs from plain Llama."""
+
+    name: str
+    architectures: tuple[str, ...]
+    rope_types: frozenset[str] = frozenset({"default"})
+    qk_layernorm: bool = False
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
+    qkv_bias_from_weights: bool = False  # Qwen2: q/k/v carry biases (o_proj none), seen in the tensor names
+    windows: Callable[[dict[str, Any], int], tuple[int | None, ...]] = field(default=lambda config, n: ())
+    rope_layers: Callable[[dict[str, Any], int], tuple[bool, ...]] = field(default=lambda config, n: ())
+    refuse: Callable[[dict[str, Any]], None] = field(default=lambda config: None)
+    notes: str = ""
+
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        """The HF module names (PEFT `target_modules`, what vLLM loads) this family's adapters may target."""
+        attn = ("qkv_proj",) if self.fused_qkv else ("q_proj", "k_proj", "v_proj")
+        mlp = ("gate_up_proj",) if self.fused_gate_up else ("gate_proj", "up_proj")
+        return (*attn, "o_proj", *mlp, "down_proj")
+
+
+@dataclass(frozen=True)
+class Refused:
+    """An architecture that is recognised but deliberately not trained, with the reason."""
+
+    architectures: tuple[str, ...]
+    reason: str
+
+
+def _value(config: dict[str, Any], name: str, default: Any = None) -> Any:
+    value = config.get(name)
+    return default if value is None else value
+
+
+def rope_parameters(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The RoPE parameters (transformers 5 `rope_parameters`, or 4.x `rope_scaling` + `rope_theta`) and their field."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        return params, "rope_parameters"
+    scaling = dict(config.get("rope_scaling") or {})
+    if "rope_type" not in scaling and "type" in scaling:
+        scaling["rope_type"] = scaling["type"]
+    scaling.setdefault("rope_theta", _value(config, "rope_theta", 10000.0))
+    return scaling, "rope_scaling"
+
+
+def _read_rope(config: dict[str, Any], family: Family) -> tuple[float, tuple[float, float, float, int] | None]:
+    params, where = rope_parameters(config)
+    rope_type = params.get("rope_type") or "default"
+    if rope_type not in family.rope_types:
+        raise InvalidRequest(
+            f"{where}.rope_type {rope_type!r} is not supported for {family.name} "
+            f"(supported: {sorted(family.rope_types)})",
+            param="model",
+        )
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if partial is not None and float(partial) != 1.0:
+        raise InvalidRequest(f"partial_rotary_factor {partial} (partial RoPE) is not supported yet", param="model")
+    theta = float(params.get("rope_theta") or _value(config, "rope_theta", 10000.0))
+    if rope_type != "llama3":
+        return theta, None
+    try:
+        llama3 = (
+            float(params["factor"]),
+            float(params["low_freq_factor"]),
+            float(params["high_freq_factor"]),
+            int(params["original_max_position_embeddings"]),
+        )
+    except KeyError as e:
+        raise InvalidRequest(f"{where} of rope_type 'llama3' lacks {e.args[0]!r}", param="model") from None
+    return theta, llama3
+
+
+def _refuse_common(config: dict[str, Any]) -> None:
+    """Fields that change the maths of a Llama-shaped decoder in ways the trainer does not implement."""
+    act = _value(config, "hidden_act", _value(config, "hidden_activation", "silu"))
+    if act != "silu":
+        raise InvalidRequest(f"hidden_act {act!r} is not supported (SwiGLU with silu only)", param="model")
+    if config.get("mlp_bias"):
+        raise InvalidRequest("mlp_bias=true (biases on the MLP) is not supported", param="model")
+    if config.get("attention_bias"):
+        raise InvalidRequest(
+            "attention_bias=true (biases on q/k/v and the attention output) is not supported", param="model"
+        )
+    for name in ("resid_pdrop", "embd_pdrop"):
+        if _value(config, name, 0.0):
+            raise InvalidRequest(f"{name}={config[name]} (dropout) is not applied by the trainer", param="model")
+
+
+def read_arch(config: dict[str, Any], tensor_names: Iterable[str], families: dict[str, Family],
+              refused: dict[str, Refused]) -> ModelArch:  # fmt: skip
+    """The shape of the model `config` describes, checked against its tensor names; InvalidRequest if refused."""
+    archs = list(config.get("architectures") or [])
+    for arch in archs:
+        if arch in refused:
+            raise InvalidRequest(f"model architecture {arch!r} is not supported: {refused[arch].reason}", param="model")
+    family = next((families[a] for a in archs if a in families), None)
+    if family is None:
+        raise InvalidRequest(
+            f"model architecture {archs or config.get('model_type')} is not supported; "
+            f"supported: {sorted(families)}",
+            param="model",
+        )
+    _refuse_common(config)
+    family.refuse(config)
+    names = set(tensor_names)
+    theta, llama3 = _read_rope(config, family)
+    heads = int(config["num_attention_heads"])
+    hidden = int(config["hidden_size"])
+    layers = int(config["num_hidden_layers"])
+    qkv_bias = family.qkv_bias_from_weights and "model.layers.0.self_attn.q_proj.bias" in names
+    arch = ModelArch(
+        family=family.name,
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(_value(config, "num_key_value_heads", heads)),
+        head_dim=int(_value(config, "head_dim", hidden // heads)),
+        ffn_hidden_size=int(config["intermediate_size"]),
+        norm_eps=float(_value(config, "rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        max_position_embeddings=int(_value(config, "max_position_embeddings", 4096)),
+        tied_embeddings=bool(_value(config, "tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        attention_dropout=float(_value(config, "attention_dropout", 0.0)),
+        qk_layernorm=family.qk_layernorm,
+        fused_qkv=family.fused_qkv,
+        fused_gate_up=family.fused_gate_up,
+        llama3_rope=llama3,
+        rope_layers=family.rope_layers(config, layers),
+        windows=family.windows(config, layers),
+    )
+    if arch.num_heads % arch.num_kv_heads:
+        raise InvalidRequest(
+            f"num_attention_heads {heads} is not a multiple of num_key_value_heads {arch.num_kv_heads}", param="model"
+        )
+    check_tensor_names(arch, names)
+    return arch
+
+
+def rules(arch: ModelArch) -> Iterator[Rule]:
+    """Every parameter of the megatron model and its HF source tensors."""
+    yield Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "dim0")
+    for i in range(arch.num_layers):
+        hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
+        attn, mlp = hf + "self_attn.", hf + "mlp."
+        yield Rule(mc + "input_layernorm.weight", (hf + "input_layernorm.weight",), "replicated")
+        if arch.fused_qkv:
+            yield Rule(mc + "self_attention.linear_qkv.weight", (attn + "qkv_proj.weight",), "qkv")
+        else:
+            yield Rule(mc + "self_attention.linear_qkv.weight", tuple(f"{attn}{p}_proj.weight" for p in "qkv"), "qkv")
+        if arch.qkv_bias:
+            yield Rule(mc + "self_attention.linear_qkv.bias", tuple(f"{attn}{p}_proj.bias" for p in "qkv"), "qkv")
+        if arch.qk_layernorm:
+            yield Rule(mc + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), "replicated")
+            yield Rule(mc + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), "replicated")
+        yield Rule(mc + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "dim1")
+        yield Rule(mc + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), "replicated")
+        if arch.fused_gate_up:
+            yield Rule(mc + "mlp.linear_fc1.weight", (mlp + "gate_up_proj.weight",), "fc1")
+        else:
+            yield Rule(mc + "mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"), "fc1")
+        yield Rule(mc + "mlp.linear_fc2.weight", (mlp + "down_proj.weight",), "dim1")
+    yield Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated")
+    if not arch.tied_embeddings:
+        yield Rule("output_layer.weight", ("lm_head.weight",), "dim0")
+
+
+def hf_tensor_names(arch: ModelArch) -> list[str]:
+    """The HF tensor names a checkpoint of `arch` holds (what `mcore_to_hf` produces)."""
+    return [name for rule in rules(arch) for name in rule.hf]
+
+
+def tolerated(arch: ModelArch, name: str) -> bool:
+    """HF tensors no rule maps that are still safe to skip: derived RoPE buffers, a tied model's saved lm_head
+    (the converter checks it equals the embedding)."""
+    return name.endswith(IGNORED_SUFFIXES) or (arch.tied_embeddings and name == "lm_head.weight")
+
+
+def check_tensor_names(arch: ModelArch, names: set[str]) -> None:
+    """InvalidRequest naming tensors no rule maps (they would be dropped silently) or that the rules need."""
+    expected = set(hf_tensor_names(arch))
+    unmapped = sorted(n for n in names - expected if not tolerated(arch, n))
+    if unmapped:
+        raise InvalidRequest(
+            f"{len(unmapped)} tensor(s) of the {arch.family} checkpoint map to nothing the trainer builds, "
+            f"e.g. {unmapped[:4]}: training would drop them",
+            param="model",
+        )
+    missing = sorted(expected - names)
+    if missing:
+        raise InvalidRequest(
+            f"the {arch.family} checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:4]}", param="model"
+        )
+
+
+def check_tensor_parallel(arch: ModelArch, tp: int) -> None:
+    """InvalidRequest unless the model splits evenly over `tp` ranks."""
+    for what, n in (
+        ("num_key_value_heads", arch.num_kv_heads),
+        ("num_attention_heads", arch.num_heads),
+        ("vocab_size", arch.vocab_size),
+        ("intermediate_size", arch.ffn_hidden_size),
+    ):
+        if n % tp:
+            raise InvalidRequest(f"tensor_parallel_size {tp} must divide the model's {what} ({n})")
+
+
+# --- helpers the family declarations share --------------------------------------------------------------------
+
+
+def layer_type_windows(config: dict[str, Any], layers: int, enabled: bool) -> tuple[int | None, ...]:
+    """Per-layer windows from `layer_types` (Qwen2/Qwen3/SmolLM3): `sliding_window` on "sliding_attention" layers.
+
+    `layer_types` is derived as transformers does when the config lacks it (Qwen: layers >= max_window_layers).
+    """
+    window = config.get("sliding_window")
+    if not enabled or window is None:
+        return ()
+    types = config.get("layer_types")
+    if types is None:
+        start = int(_value(config, "max_window_layers", layers))
+        types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
+    if len(types) != layers:
+        raise InvalidRequest(f"layer_types has {len(types)} entries for {layers} layers", param="model")
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise InvalidRequest(f"layer_types {unknown} are not supported", param="model")
+    windows = tuple(int(window) if t == "sliding_attention" else None for t in types)
+    return windows if any(w is not None for w in windows) else ()
+
+
+def every_layer_window(config: dict[str, Any], layers: int) -> tuple[int | None, ...]:
+    """Mistral/Phi-3: `sliding_window`, when set, applies to every layer."""
+    window = config.get("sliding_window")
+    return () if window is None else (int(window),) * layers
