@@ -41,8 +41,8 @@ async def control_plane(tmp_path: Path, tiny_model_dir: Path) -> AsyncIterator[C
 
 
 @pytest.fixture(scope="module")
-def loop_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """URL of a real `scalarlm serve` (control plane + in-process vLLM worker + local trainer launcher)."""
+def loop_server_home(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """(URL, home) of a real `scalarlm serve` (control plane + in-process vLLM worker + local trainer launcher)."""
     tmp = tmp_path_factory.mktemp("loop-server")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -66,7 +66,7 @@ def loop_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
             if time.monotonic() > deadline:
                 pytest.fail(f"scalarlm serve not up after 600 s:\n{log.read_text()[-6000:]}")
             time.sleep(0.5)
-        yield url
+        yield url, tmp / "home"
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -74,3 +74,9 @@ def loop_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def loop_server(loop_server_home: tuple[str, Path]) -> str:
+    """URL of the module's real `scalarlm serve`."""
+    return loop_server_home[0]
