@@ -101,6 +101,14 @@ class TrainingSettings(BaseModel):
     max_resumes: int = Field(3, ge=0)
 
 
+def default_hf_cache() -> Path:
+    """Where Hugging Face keeps downloaded models: HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
 class Settings(BaseSettings):
     """Every knob of scalarlm. Build once with `load_settings()`."""
 
@@ -109,6 +117,8 @@ class Settings(BaseSettings):
     model: str = "./models/tiny"
     home: Path = Path("./.scalarlm")
     served_model_name: str | None = None
+    # The local Hugging Face cache: `model` and a job's `llm_name` may be hub ids found there (never downloaded).
+    hf_cache: Path = Field(default_factory=default_hf_cache)
     log_level: str = "INFO"
     server: ServerSettings = Field(default_factory=ServerSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)

@@ -7,7 +7,9 @@ import logging
 import socket
 from typing import Any
 
+from scalarlm.checkpoint.hub_cache import with_local_model
 from scalarlm.config import Settings
+from scalarlm.protocol.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +81,11 @@ def serve(settings: Settings) -> int:
     """Run the role named in settings until SIGTERM/SIGINT; return the exit status."""
     logging.getLogger().setLevel(settings.log_level.upper())
     check_exposure(settings)
+    try:
+        settings = with_local_model(settings)  # a hub id is served from its cached snapshot, under its name
+    except InvalidRequest as e:
+        # Not fatal here: in split mode the model may live only where the workers run; jobs then get a 400.
+        logger.warning("%s", e.message)
     if settings.server.role == "worker":
         from scalarlm.inference.process_env import configure_vllm_process_env
 

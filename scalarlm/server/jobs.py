@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from scalarlm.server.periodic import every
 from scalarlm.checkpoint import JobDir, latest_step, list_steps, read_manifest
+from scalarlm.checkpoint.hub_cache import resolve_model
 from scalarlm.config import Settings
 from scalarlm.launcher import (
     Launcher,
@@ -112,12 +113,13 @@ class TrainingJobs:
     # --- submission -------------------------------------------------------------------------------
 
     def base_model_for(self, llm_name: str | None) -> str:
-        """The model a job starts from: the served base model, or a finished full-weight job's checkpoint."""
+        """The model a job starts from: the served base model, a finished full-weight job's checkpoint, a local
+        model directory, or a hub id in the local Hugging Face cache (400 naming it when it is none of these)."""
         settings = self.settings
         base = Path(settings.model)
         names = {settings.model, settings.base_model_name, str(base.resolve()) if base.exists() else settings.model}
         if llm_name is None or llm_name in names:
-            return str(base.resolve()) if base.exists() else settings.model
+            return str(resolve_model(settings.model, settings.hf_cache, param="model"))
         if NAME_PATTERN.match(llm_name) and (settings.jobs_dir / llm_name).is_dir():
             job = JobDir.under(settings.jobs_dir, llm_name)
             step = latest_step(job)
@@ -126,11 +128,7 @@ class TrainingJobs:
             raise InvalidRequest(
                 f"llm_name {llm_name!r} has no full-weight checkpoint to train from", param="llm_name"
             )
-        raise InvalidRequest(
-            f"unknown model {llm_name!r}: this server trains {settings.base_model_name!r} "
-            "or a job id with a full-weight checkpoint",
-            param="llm_name",
-        )
+        return str(resolve_model(llm_name, settings.hf_cache, param="llm_name"))
 
     def launcher_for(self, args: TrainArgs) -> Launcher:
         name = args.launcher or self.settings.training.launcher
