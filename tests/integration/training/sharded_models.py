@@ -44,3 +44,21 @@ def model_arch(model_dir: Path):
         bias = any(n.endswith("q_proj.bias") for n in names)
         return arch_from_hf_config(hf_io.read_config(model_dir), qkv_bias=bias)
     return read(model_dir)
+
+
+def put_in_hub_cache(model_dir: Path, cache: Path, repo_id: str, commit: str = "c0ffee" + "0" * 34) -> Path:
+    """Lay a model directory out as huggingface_hub's cache does (blobs, snapshot symlinks, refs/main)."""
+    import hashlib
+
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for f in sorted(model_dir.iterdir()):
+        if f.is_file():
+            blob = repo / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+            shutil.copy2(f, blob)
+            (snapshot / f.name).symlink_to(Path("../..") / "blobs" / blob.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
