@@ -226,3 +226,16 @@ def make_tiny_model(
     )
     logger.info("wrote tiny %s model to %s", family, out)
     return out
+
+
+# One tiny instance per trainer family (and per variant the trainer treats differently), as the parity tests
+# build them: head size 64 (vLLM's CPU attention) except the 32-wide GQA Llama, 2 KV groups so TP=2 splits them.
+FAMILY_TINY_MODELS: dict[str, dict] = {
+    "llama-gqa": dict(family="llama", hidden=128, heads=4, kv_heads=2, seed=1),
+    "llama3": dict(family="llama3", hidden=256, heads=4, kv_heads=2, seed=2),
+    "mistral": dict(family="mistral", hidden=256, heads=4, kv_heads=2, seed=3),
+    "qwen2-tied": dict(family="qwen2", hidden=128, heads=2, kv_heads=2, tie_embeddings=True),
+    "qwen3": dict(family="qwen3", hidden=256, heads=4, kv_heads=2, seed=4),
+    "smollm3": dict(family="smollm3", hidden=256, heads=4, kv_heads=2, seed=5),
+    "phi3": dict(family="phi3", hidden=256, heads=4, kv_heads=2, seed=6),
+}

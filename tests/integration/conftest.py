@@ -15,6 +15,15 @@ import pytest_asyncio
 
 
 @pytest.fixture(scope="session")
+def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One tiny random model per trainer family variant (`FAMILY_TINY_MODELS`), built once per session (~1 s each)."""
+    from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS, make_tiny_model
+
+    root = tmp_path_factory.mktemp("families")
+    return {name: make_tiny_model(root / name, **spec) for name, spec in FAMILY_TINY_MODELS.items()}
+
+
+@pytest.fixture(scope="session")
 def inference_settings(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Settings for the test engine: float32 (HF parity), 1 GiB KV cache, max_model_len 512, eager."""
     from scalarlm.config import Settings

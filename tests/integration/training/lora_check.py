@@ -1,8 +1,9 @@
-"""Run by test_lora.py as one plain process (TP=1) or under `mpirun -n 2` (TP=2).
+"""Run by test_lora.py and test_family_parity.py as one plain process (TP=1) or under `mpirun -n 2` (TP=2):
+`lora_check.py TP OUT_ROOT MODEL_DIR...`.
 
-Builds the megatron model of the given HF model directory on this rank's TP shard, attaches LoRA on every
-projection with random (non-zero) A and B, exports the adapter in PEFT format to the given output directory and
-prints one JSON line (rank 0): `max_diff` = max |logits(megatron + LoRA) - logits(HF base + PEFT adapter)|, and
+For each HF model directory: builds the megatron model on this rank's TP shard, attaches LoRA on every module
+the family targets (its defaults) with random (non-zero) A and B, exports the adapter in PEFT format to
+OUT_ROOT/<model name> and prints one JSON line (rank 0): `max_diff` = max |logits(megatron + LoRA) - logits(HF base + PEFT adapter)|, and
 `base_diff` (adapters disabled vs the plain HF base), and `grad_norms` of every adapter tensor for a fixed
 objective after the trainer's TP all-reduce (TP=2 must equal TP=1).
 """
@@ -66,6 +67,8 @@ def check(model_dir: Path, out: Path, par) -> dict:
         theirs = peft_model(ids).logits
     dist.barrier()
     return {
+        "model": model_dir.name,
+        "target_modules": lora.check_targets(config, arch),
         "tp": par.tp_size,
         "max_diff": (ours - theirs).abs().max().item(),
         "base_diff": (ours_base - plain).abs().max().item(),
@@ -81,9 +84,12 @@ def main() -> int:
     tp = int(sys.argv[1])
     par = init_parallel(launch_env_from(os.environ), tp, seed=0)
     try:
-        result = check(Path(sys.argv[2]), Path(sys.argv[3]), par)
-        if par.is_main:
-            print("RESULT " + json.dumps(result), flush=True)
+        for model_dir in map(Path, sys.argv[3:]):
+            out = Path(sys.argv[2]) / model_dir.name
+            out.mkdir(parents=True, exist_ok=True)
+            result = check(model_dir, out, par)
+            if par.is_main:
+                print("RESULT " + json.dumps(result), flush=True)
     finally:
         shutdown_parallel()
     return 0

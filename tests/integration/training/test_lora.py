@@ -54,7 +54,7 @@ def _assert_matches_peft(result: dict, tp: int) -> None:
 @pytest.fixture(scope="module")
 def tp1(gqa_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("adapter-tp1")
-    return _result([sys.executable, str(HERE / "lora_check.py"), "1", str(gqa_model), str(out)])
+    return _result([sys.executable, str(HERE / "lora_check.py"), "1", str(out), str(gqa_model)])
 
 
 def test_megatron_lora_logits_match_peft(tp1: dict) -> None:
@@ -66,7 +66,7 @@ def test_megatron_lora_logits_match_peft(tp1: dict) -> None:
 def test_megatron_lora_at_tp2_matches_peft_and_tp1_gradients(gqa_model: Path, tmp_path: Path, tp1: dict) -> None:
     require_mpirun()
     command = ["mpirun", "-n", "2", "--oversubscribe", sys.executable, str(HERE / "lora_check.py"), "2"]
-    tp2 = _result(command + [str(gqa_model), str(tmp_path)])
+    tp2 = _result(command + [str(tmp_path), str(gqa_model)])
     _assert_matches_peft(tp2, 2)
     assert tp2["grad_norms"].keys() == tp1["grad_norms"].keys()
     for name, g in tp1["grad_norms"].items():
