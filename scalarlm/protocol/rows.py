@@ -40,58 +40,63 @@ class Row:
     messages: tuple[dict[str, str], ...] | None = None
 
 
-def _bad(line: int, why: str) -> InvalidRequest:
-    return InvalidRequest(f"dataset line {line}: {why}", param="dataset")
+def _bad(where: str, why: str, param: str = "dataset") -> InvalidRequest:
+    return InvalidRequest(f"{where}: {why}", param=param)
 
 
-def _text_field(obj: dict[str, Any], key: str, line: int) -> str:
+def _text_field(obj: dict[str, Any], key: str, where: str, param: str) -> str:
     value = obj[key]
     if not isinstance(value, str):
-        raise _bad(line, f"field {key!r} must be a string, got {type(value).__name__}")
+        raise _bad(where, f"field {key!r} must be a string, got {type(value).__name__}", param)
     return value
 
 
-def check_messages(msgs: Any, line: int, need_assistant: bool = True) -> tuple[dict[str, str], ...]:
+def check_messages(
+    msgs: Any, where: str, need_assistant: bool = True, param: str = "dataset"
+) -> tuple[dict[str, str], ...]:
     """Validate a chat (`role` in CHAT_ROLES, string `content`); SFT chats need an assistant turn to train on."""
     if not isinstance(msgs, list) or not msgs:
-        raise _bad(line, "field 'messages' must be a non-empty list")
+        raise _bad(where, "field 'messages' must be a non-empty list", param)
     out = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
-            raise _bad(line, f"field 'messages[{i}]' must be an object with 'role' and 'content'")
+            raise _bad(where, f"field 'messages[{i}]' must be an object with 'role' and 'content'", param)
         role, content = m.get("role"), m.get("content")
         if not isinstance(role, str) or role not in CHAT_ROLES:
-            raise _bad(line, f"field 'messages[{i}].role' must be one of {sorted(CHAT_ROLES)}, got {role!r}")
+            raise _bad(where, f"field 'messages[{i}].role' must be one of {sorted(CHAT_ROLES)}, got {role!r}", param)
         if not isinstance(content, str):
-            raise _bad(line, f"field 'messages[{i}].content' must be a string, got {type(content).__name__}")
+            raise _bad(where, f"field 'messages[{i}].content' must be a string, got {type(content).__name__}", param)
         out.append({"role": role, "content": content})
     if need_assistant and not any(m["role"] == "assistant" for m in out):
-        raise _bad(line, "field 'messages' needs at least one assistant turn to train on")
+        raise _bad(where, "field 'messages' needs at least one assistant turn to train on", param)
     return tuple(out)
 
 
 def _json_object(text: str, line: int) -> dict[str, Any]:
+    where = f"dataset line {line}"
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise _bad(line, f"not valid JSON ({e.msg} at column {e.colno})") from None
+        raise _bad(where, f"not valid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(obj, dict):
-        raise _bad(line, f"must be a JSON object, got {type(obj).__name__}")
+        raise _bad(where, f"must be a JSON object, got {type(obj).__name__}")
     return obj
 
 
-def row_from_object(obj: dict[str, Any], line: int) -> Row:
-    """Validate one decoded SFT row (1-based `line` for messages) and return it as a Row."""
+def row_from_object(obj: dict[str, Any], line: int, where: str | None = None, param: str = "dataset") -> Row:
+    """Validate one decoded SFT row and return it as a Row; errors name `where` (default: its 1-based line)."""
+    where = where or f"dataset line {line}"
     if "messages" in obj:
-        return Row(line=line, messages=check_messages(obj["messages"], line))
+        return Row(line=line, messages=check_messages(obj["messages"], where, param=param))
     for prompt_key, completion_key in (("input", "output"), ("prompt", "completion")):
         if prompt_key in obj or completion_key in obj:
             for key in (prompt_key, completion_key):
                 if key not in obj:
-                    raise _bad(line, f"missing field {key!r} (rows with {prompt_key!r} need {completion_key!r})")
-            return Row(line=line, prompt=_text_field(obj, prompt_key, line),
-                       completion=_text_field(obj, completion_key, line))  # fmt: skip
-    raise _bad(line, "missing fields: expected 'input'+'output', 'prompt'+'completion' or 'messages'")
+                    raise _bad(where, f"missing field {key!r} (rows with {prompt_key!r} need {completion_key!r})",
+                               param)  # fmt: skip
+            return Row(line=line, prompt=_text_field(obj, prompt_key, where, param),
+                       completion=_text_field(obj, completion_key, where, param))  # fmt: skip
+    raise _bad(where, "missing fields: expected 'input'+'output', 'prompt'+'completion' or 'messages'", param)
 
 
 def parse_row(text: str, line: int) -> Row:
@@ -99,26 +104,33 @@ def parse_row(text: str, line: int) -> Row:
     return row_from_object(_json_object(text, line), line)
 
 
-def rl_row_from_object(obj: Any, line: int, what: str = "dataset line") -> RLRow:
-    """Validate one scored GRPO row; the error names `what` + `line` and the field."""
-    where = f"{what} {line}"
+def rl_row_from_object(obj: Any, where: str, param: str = "dataset") -> RLRow:
+    """Validate one scored GRPO row; the error names `where` (e.g. "dataset line 3") and the field."""
     if not isinstance(obj, dict):
-        raise InvalidRequest(f"{where}: must be a JSON object, got {type(obj).__name__}", param="dataset")
+        raise _bad(where, f"must be a JSON object, got {type(obj).__name__}", param)
     try:
         row = RLRow.model_validate(obj)
     except ValidationError as e:
         err = e.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "row"
         kind = "unknown field" if err["type"] == "extra_forbidden" else "field"
-        raise InvalidRequest(f"{where}: {kind} {field!r}: {err['msg']}", param="dataset") from None
+        raise _bad(where, f"{kind} {field!r}: {err['msg']}", param) from None
     if (row.prompt is None) == (row.messages is None):
-        raise InvalidRequest(f"{where}: give exactly one of fields 'prompt' or 'messages'", param="dataset")
+        raise _bad(where, "give exactly one of fields 'prompt' or 'messages'", param)
     if row.messages is not None:
-        try:
-            check_messages(row.messages, line, need_assistant=False)
-        except InvalidRequest as e:
-            raise InvalidRequest(e.message.replace(f"dataset line {line}", where, 1), param="dataset") from None
+        check_messages(row.messages, where, need_assistant=False, param=param)
     return row
+
+
+def check_step_row(index: int, obj: Any) -> None:
+    """One row of an RL session step: scored (`reward` present) or SFT; errors name `rows[index]` and the field."""
+    where = f"rows[{index}]"
+    if isinstance(obj, dict) and "reward" in obj:
+        rl_row_from_object(obj, where, param="rows")
+    elif isinstance(obj, dict):
+        row_from_object(obj, index + 1, where, param="rows")
+    else:
+        raise _bad(where, f"must be a JSON object, got {type(obj).__name__}", "rows")
 
 
 def _lines(path: str | Path) -> Iterator[tuple[int, str]]:
@@ -130,7 +142,7 @@ def _lines(path: str | Path) -> Iterator[tuple[int, str]]:
                 if text.strip():
                     yield line, text
         except UnicodeDecodeError:
-            raise _bad(line + 1, "not valid UTF-8") from None
+            raise _bad(f"dataset line {line + 1}", "not valid UTF-8") from None
 
 
 def iter_rows(path: str | Path) -> Iterator[Row]:
@@ -152,7 +164,7 @@ def read_rl_objects(path: str | Path) -> list[dict[str, Any]]:
     raw = []
     for line, text in _lines(path):
         obj = _json_object(text, line)
-        rl_row_from_object(obj, line)
+        rl_row_from_object(obj, f"dataset line {line}")
         raw.append(obj)
     if not raw:
         raise InvalidRequest("dataset is empty: no rows to train on", param="dataset")

@@ -13,14 +13,11 @@ import logging
 import time
 from typing import Any
 
-from pydantic import ValidationError
-
 from scalarlm.checkpoint import JobDir
 from scalarlm.checkpoint.session import SessionDir
 from scalarlm.protocol.errors import Conflict, EngineUnavailable, InvalidRequest, ScalarLMError
 from scalarlm.protocol.training import (
     JobStatus,
-    RLRow,
     SessionCreateRequest,
     SessionResponse,
     SessionStepRequest,
@@ -28,6 +25,7 @@ from scalarlm.protocol.training import (
     SessionStepResult,
     TrainJobConfig,
 )
+from scalarlm.protocol.rows import check_step_row
 from scalarlm.server.jobs import TrainingJobs, new_job_id, parse_train_args
 from scalarlm.server.models import ModelCatalog
 
@@ -40,34 +38,7 @@ END_WAIT_SECONDS = 10.0
 
 def check_row(index: int, row: dict[str, Any]) -> None:
     """A scored RL row (`reward` present) or an SFT row (input/output, prompt/completion, messages)."""
-    where = f"rows[{index}]"
-    if "reward" in row:
-        try:
-            rl = RLRow.model_validate(row)
-        except ValidationError as e:
-            err = e.errors()[0]
-            key = ".".join(str(p) for p in err["loc"])
-            raise InvalidRequest(f"{where}.{key}: {err['msg']}", param="rows") from None
-        if (rl.prompt is None) == (rl.messages is None):
-            raise InvalidRequest(f"{where}: an RL row needs exactly one of 'prompt' or 'messages'", param="rows")
-        return
-    for a, b in (("input", "output"), ("prompt", "completion")):
-        if a in row or b in row:
-            if not isinstance(row.get(a), str) or not isinstance(row.get(b), str):
-                raise InvalidRequest(f"{where}: fields {a!r} and {b!r} must both be strings", param="rows")
-            return
-    messages = row.get("messages")
-    if isinstance(messages, list) and messages:
-        if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
-            raise InvalidRequest(f"{where}: each message needs a string 'content'", param="rows")
-        if not any(m.get("role") == "assistant" for m in messages):
-            raise InvalidRequest(f"{where}: 'messages' needs at least one assistant turn", param="rows")
-        return
-    raise InvalidRequest(
-        f"{where}: expected an RL row (prompt|messages, completion, reward) or an SFT row "
-        "(input/output, prompt/completion or messages)",
-        param="rows",
-    )
+    check_step_row(index, row)
 
 
 class RLSessions:

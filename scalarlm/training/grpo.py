@@ -67,7 +67,7 @@ class RLDoc:
 
 def parse_rl_rows(rows: Sequence[dict[str, Any]]) -> list[RLRow]:
     """Validate RL rows (a session step's body); InvalidRequest naming the first bad row and field."""
-    out = [rl_row_from_object(obj, i, what="row") for i, obj in enumerate(rows)]
+    out = [rl_row_from_object(obj, f"row {i}", param="rows") for i, obj in enumerate(rows)]
     if not out:
         raise InvalidRequest("no rows", param="rows")
     return out

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from scalarlm.protocol.errors import InvalidRequest
-from scalarlm.protocol.rows import read_rl_objects, rl_row_from_object, validate_dataset
+from scalarlm.protocol.rows import check_step_row, read_rl_objects, rl_row_from_object, validate_dataset
 
 
 def _write(tmp_path: Path, rows: list) -> Path:
@@ -53,9 +53,21 @@ def test_bad_grpo_row_names_its_line_and_field(tmp_path: Path, bad, words: list[
         assert word in err.value.message
 
 
-def test_session_rows_are_named_by_index() -> None:
+def test_session_step_rows_are_named_by_index() -> None:
+    """A session step's rows: scored rows (with `reward`) or SFT rows, named `rows[i]` with param `rows`."""
     with pytest.raises(InvalidRequest, match=r"^row 4: field 'reward'"):
-        rl_row_from_object({"prompt": "x", "completion": "y"}, 4, what="row")
+        rl_row_from_object({"prompt": "x", "completion": "y"}, "row 4")
+    check_step_row(0, SCORED_CHAT)
+    check_step_row(1, CHAT)
+    for index, bad, words in [
+        (2, {**SCORED, "reward": None}, "rows[2]: field 'reward'"),
+        (3, {"messages": [{"role": "user", "content": "hi"}]}, "rows[3]: field 'messages' needs"),
+        (4, {"input": "q", "output": 1}, "rows[4]: field 'output' must be a string"),
+        (5, "text", "rows[5]: must be a JSON object"),
+    ]:
+        with pytest.raises(InvalidRequest) as err:
+            check_step_row(index, bad)
+        assert err.value.message.startswith(words) and err.value.param == "rows", err.value.message
 
 
 def test_sft_chat_field_errors_name_the_field(tmp_path: Path) -> None:
