@@ -21,11 +21,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.lora.request import LoRARequest
-
 from scalarlm.config import Settings
 from scalarlm.inference.engine import Engine
 from scalarlm.inference.versions import ModelVersions
+from scalarlm.inference.vllm_api import LoRARequest
 from scalarlm.protocol.errors import InvalidRequest, ModelLoadFailed
 from scalarlm.protocol.generate import ModelVersion
 

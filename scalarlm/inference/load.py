@@ -9,9 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vllm.config import VllmConfig
-from vllm.v1.metrics.loggers import PrometheusStatLogger
-
+from scalarlm.inference.vllm_api import PrometheusStatLogger, VllmConfig
 from scalarlm.protocol.generate import EngineLoad
 
 logger = logging.getLogger(__name__)

@@ -14,22 +14,23 @@ from typing import Any
 
 from pydantic import ValidationError
 from starlette.datastructures import State
-from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
-from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
-from vllm.entrypoints.serve.exception_handling.handlers.validation import (  # vLLM's own message format
-    _MAX_REPORTED_ERRORS,
-    _format_error,
-    clean_loc_for_param,
-)
-from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
 
 from scalarlm.config import Settings
 from scalarlm.inference.engine import Engine
 from scalarlm.inference.hot_swap import WeightsLease, WeightsManager
 from scalarlm.inference.versions import ModelVersions
+from scalarlm.inference.vllm_api import (  # vLLM's serving classes and its own error message format
+    _MAX_REPORTED_ERRORS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    _format_error,
+    clean_loc_for_param,
+    create_error_response,
+    init_app_state,
+    sanitize_message,
+)
 from scalarlm.protocol.backend import OpenAIReply, OpenAIRoute
 from scalarlm.protocol.errors import EngineUnavailable, InvalidRequest, ScalarLMError
 from scalarlm.protocol.generate import EngineLoad, ModelVersion

@@ -13,14 +13,13 @@ import logging
 import time
 from typing import Any
 
-from vllm.v1.engine.exceptions import EngineDeadError
-
 from scalarlm.config import Settings
 from scalarlm.inference.engine import Engine
 from scalarlm.inference.hot_swap import WeightsLease, WeightsManager
 from scalarlm.inference.results import error_result, to_work_result
 from scalarlm.inference.sampling import SamplingCache, to_engine_prompt
 from scalarlm.inference.versions import ModelVersions
+from scalarlm.inference.vllm_api import EngineDeadError
 from scalarlm.protocol.backend import WorkSource
 from scalarlm.protocol.generate import FinishWorkRequest, GetWorkRequest, WorkItem, WorkResult
 

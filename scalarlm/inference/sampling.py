@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm import SamplingParams as VllmSamplingParams
-from vllm.sampling_params import RequestOutputKind
-
+from scalarlm.inference.vllm_api import RequestOutputKind
+from scalarlm.inference.vllm_api import SamplingParams as VllmSamplingParams
 from scalarlm.protocol.generate import SamplingParams, WorkItem
 
 # Knobs passed to vLLM under the same name whenever the request sets them; unset ones keep vLLM's default.

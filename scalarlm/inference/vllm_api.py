@@ -1,0 +1,73 @@
+"""Every vLLM name scalarlm uses, imported here and nowhere else in the package.
+
+vLLM's stable surface is small (`LLM`, `SamplingParams`, the `vllm serve` CLI); we also use its engine,
+argument parser, OpenAI serving and error helpers, whose module paths move between releases. Importing
+them in one module makes a vLLM upgrade a one-file change, and `tests/unit/inference/test_vllm_api.py`
+checks that each name below exists in the installed vLLM (the version every stack pins: 0.32.0).
+
+Import this module only after `process_env.configure_vllm_process_env()` has run (it imports vLLM).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from vllm import SamplingParams
+from vllm.config import VllmConfig
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
+from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+from vllm.entrypoints.serve.exception_handling.handlers.validation import (  # vLLM's own message format
+    _MAX_REPORTED_ERRORS,
+    _format_error,
+    clean_loc_for_param,
+)
+from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
+from vllm.envs import enable_envs_cache
+from vllm.lora.request import LoRARequest
+from vllm.platforms import current_platform
+from vllm.sampling_params import RequestOutputKind
+from vllm.usage.usage_lib import UsageContext
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError
+from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+Device = Literal["cpu", "accelerator"]
+
+__all__ = [
+    "AsyncEngineArgs",
+    "AsyncLLM",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "Device",
+    "EngineDeadError",
+    "ErrorInfo",
+    "ErrorResponse",
+    "FlexibleArgumentParser",
+    "LoRARequest",
+    "PrometheusStatLogger",
+    "RequestOutputKind",
+    "SamplingParams",
+    "UsageContext",
+    "VllmConfig",
+    "_MAX_REPORTED_ERRORS",
+    "_format_error",
+    "clean_loc_for_param",
+    "create_error_response",
+    "enable_envs_cache",
+    "engine_device",
+    "init_app_state",
+    "make_arg_parser",
+    "sanitize_message",
+    "validate_parsed_serve_args",
+]
+
+
+def engine_device() -> Device:
+    """Where vLLM will run its engine, decided as vLLM decides it (its current platform): CPU or an accelerator."""
+    return "cpu" if current_platform.is_cpu() else "accelerator"
