@@ -5,11 +5,15 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 
 
@@ -48,6 +52,48 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from scalarlm.cli.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@contextmanager
+def start_serve(tmp: Path, model: Path, env: dict[str, str] | None = None) -> Iterator[tuple[str, Path, int]]:
+    """A real `scalarlm serve` on a free port with its home under `tmp`: (URL, home, pid), stopped with SIGTERM."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp / "server.log"
+    command = [sys.executable, "-m", "scalarlm.cli", "serve", "--model", str(model),
+               "--home", str(tmp / "home"), "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"scalarlm serve exited with {proc.returncode}:\n{log.read_text()[-6000:]}")
+            try:
+                if httpx.get(f"{url}/v1/health", timeout=5).json().get("all") == "up":
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"scalarlm serve not up after 600 s:\n{log.read_text()[-6000:]}")
+            time.sleep(0.5)
+        yield url, tmp / "home", proc.pid
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+
+@pytest.fixture(scope="session")
+def serve_process() -> Callable[..., contextlib.AbstractContextManager[tuple[str, Path, int]]]:
+    """`with serve_process(tmp, model, env) as (url, home, pid)`: a real `scalarlm serve` for the block."""
+    return start_serve
 
 
 def _processes_mentioning(text: str) -> list[int]:

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -41,39 +36,11 @@ async def control_plane(tmp_path: Path, tiny_model_dir: Path) -> AsyncIterator[C
 
 
 @pytest.fixture(scope="module")
-def loop_server_home(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+def loop_server_home(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+                     serve_process: Callable[..., Any]) -> Iterator[tuple[str, Path]]:
     """(URL, home) of a real `scalarlm serve` (control plane + in-process vLLM worker + local trainer launcher)."""
-    tmp = tmp_path_factory.mktemp("loop-server")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tmp / "server.log"
-    command = [sys.executable, "-m", "scalarlm.cli", "serve", "--model", str(tiny_model_dir),
-               "--home", str(tmp / "home"), "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"scalarlm serve exited with {proc.returncode}:\n{log.read_text()[-6000:]}")
-            try:
-                if httpx.get(f"{url}/v1/health", timeout=5).json().get("all") == "up":
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"scalarlm serve not up after 600 s:\n{log.read_text()[-6000:]}")
-            time.sleep(0.5)
-        yield url, tmp / "home"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with serve_process(tmp_path_factory.mktemp("loop-server"), tiny_model_dir) as (url, home, _):
+        yield url, home
 
 
 @pytest.fixture(scope="module")
