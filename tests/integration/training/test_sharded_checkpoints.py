@@ -12,6 +12,7 @@ import pytest
 from sharded_models import model_arch, sharded_tiny_model
 from trainer_jobs import mpi_env, require_mpirun
 
+from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS
 from scalarlm.training import hf_io
 from scalarlm.training.convert import hf_to_mcore
 from scalarlm.training.shard_load import load_rank_params
@@ -43,8 +44,17 @@ def _expected_rank_bytes(model_dir: Path, tp: int) -> int:
     return total
 
 
-def test_a_tp2_rank_reads_only_its_slices_and_gets_the_full_conversions_shard(models: list[Path]) -> None:
-    for model_dir in models:
+@pytest.fixture(scope="module")
+def more_families(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Phi-3 (HF-fused qkv_proj and gate_up_proj: a rank reads three/two ranges of one tensor), Qwen3 (q/k norms)."""
+    root = tmp_path_factory.mktemp("sharded-more")
+    return [sharded_tiny_model(root, f"{name}-bf16", "bfloat16", **FAMILY_TINY_MODELS[name]) for name in ("phi3", "qwen3")]
+
+
+def test_a_tp2_rank_reads_only_its_slices_and_gets_the_full_conversions_shard(
+    models: list[Path], more_families: list[Path]
+) -> None:
+    for model_dir in models + more_families:
         assert len(list(model_dir.glob("*.safetensors"))) > 2, "the fixture must be sharded"
         arch = model_arch(model_dir)
         full = hf_io.load_weights(model_dir)
@@ -83,3 +93,13 @@ def test_sharded_logits_match_hf_at_tp2_and_each_rank_reads_half(models: list[Pa
     require_mpirun()
     command = ["mpirun", "-n", "2", "--oversubscribe", sys.executable, str(CHECK), "2", *map(str, models)]
     _assert_parity(_run(command), models, tp=2)
+
+
+def test_a_split_the_loader_cannot_slice_falls_back_to_whole_tensors(models: list[Path]) -> None:
+    """2 KV groups over 4 ranks do not split into whole groups: the loader reads whole tensors, same result."""
+    model_dir = models[0]
+    arch = model_arch(model_dir)
+    params, read = load_rank_params(model_dir, arch, 1, 4)
+    expected = hf_to_mcore(hf_io.load_weights(model_dir), arch, 1, 4)
+    assert set(params) == set(expected) and all(hf_io.torch.equal(params[k], expected[k]) for k in expected)
+    assert read["bytes_read"] >= read["stored_bytes"]  # whole tensors (the tie check reads lm_head once more)
