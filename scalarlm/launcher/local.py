@@ -89,6 +89,7 @@ class LocalLauncher:
         env["MASTER_ADDR"] = "127.0.0.1"
         env["MASTER_PORT"] = str(free_port())
         env["PYTHONUNBUFFERED"] = "1"
+        env["HF_HUB_OFFLINE"] = "1"  # the trainer gets a resolved local directory: a hub call would be a bug, not a wait
         for name in (NOTIFY_ENV, NOTIFY_KEY_ENV):  # never inherited from this process
             env.pop(name, None)
         url = notify_url(self.settings)

@@ -74,6 +74,7 @@ class SlurmLauncher:
         env = dict(os.environ)
         for name in (NOTIFY_ENV, NOTIFY_KEY_ENV):  # never inherited from this process
             env.pop(name, None)
+        env["HF_HUB_OFFLINE"] = "1"  # the ranks get a resolved local directory: never a download that hangs
         url = notify_url(self.settings, remote=True)
         if url is not None:
             env[NOTIFY_ENV] = url
