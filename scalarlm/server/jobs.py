@@ -34,6 +34,7 @@ from scalarlm.launcher import (
     reconcile,
     resume_job,
 )
+from scalarlm.launcher.model_check import check_base_model
 from scalarlm.protocol.errors import Conflict, EngineUnavailable, InvalidRequest, NotFound, ScalarLMError
 from scalarlm.protocol.rows import validate_dataset
 from scalarlm.protocol.training import (
@@ -142,6 +143,7 @@ class TrainingJobs:
         args = parse_train_args(params)
         base_model = self.base_model_for(args.llm_name)
         launcher = self.launcher_for(args)
+        check_base_model(base_model, args)  # the trainer's family rules: refuse before anything is written
         job = JobDir.under(self.settings.jobs_dir, new_job_id())
         job.create()
         try:
@@ -163,6 +165,7 @@ class TrainingJobs:
     def launch(self, job: JobDir, config: TrainJobConfig) -> JobStatus:
         """Write `config` into an already created job dir and start its trainer (RL sessions use this)."""
         try:
+            check_base_model(config.base_model, config.train_args)
             return self._launch(job, config, self.launcher_for(config.train_args))
         except ScalarLMError:
             shutil.rmtree(job.root, ignore_errors=True)

@@ -25,10 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.protocol.training import LoraConfig
 from scalarlm.training.families import ModelArch, family_of, layouts
-from scalarlm.training.families.spec import Kind
+from scalarlm.training.families.spec import Kind, lora_targets
 
 
 def linears(arch: ModelArch) -> dict[str, tuple[str, tuple[str, ...], Kind]]:
@@ -129,33 +128,9 @@ def _make_hook(lora: LoraSet, projs: tuple[str, ...], kind: str, arch: ModelArch
     return hook
 
 
-_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
 def check_targets(config: LoraConfig, arch: ModelArch) -> list[str]:
-    """The targeted HF modules in PEFT order; InvalidRequest for names this family cannot place.
-
-    Where HF fuses modules (Phi-3's qkv_proj, gate_up_proj), naming all of their parts (as the default targets do)
-    targets the fused module; naming only some of them cannot be placed and is refused.
-    """
-    allowed = family_of(arch).lora_targets
-    requested = set(config.target_modules)
-    for fused, parts in _FUSED.items():
-        if fused in allowed and requested & set(parts):
-            if not requested >= set(parts):
-                raise InvalidRequest(
-                    f"lora_config.target_modules: {arch.family} fuses {list(parts)} into {fused!r}; "
-                    f"target all of them or {fused!r}",
-                    param="train_args",
-                )
-            requested = (requested - set(parts)) | {fused}
-    unknown = sorted(requested - set(allowed))
-    if unknown or not requested:
-        raise InvalidRequest(
-            f"lora_config.target_modules {unknown or '[]'} not supported for {arch.family}; choose from {list(allowed)}",
-            param="train_args",
-        )
-    return [p for p in allowed if p in requested]
+    """The targeted HF modules in the family's order; InvalidRequest for names this family cannot place."""
+    return lora_targets(family_of(arch), config.target_modules)
 
 
 def attach_lora(model: nn.Module, arch: ModelArch, config: LoraConfig, tp_rank: int, tp_size: int, seed: int) -> list[LoraSet]:

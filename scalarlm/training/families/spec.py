@@ -281,6 +281,36 @@ def check_tensor_parallel(arch: ModelArch, tp: int) -> None:
             raise InvalidRequest(f"tensor_parallel_size {tp} must divide the model's {what} ({n})")
 
 
+_FUSED_HF = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def lora_targets(family: Family, target_modules: Iterable[str]) -> list[str]:
+    """The HF modules LoRA targets for `target_modules`, in the family's order; InvalidRequest naming what it cannot
+    place.
+
+    Where HF fuses modules (Phi-3's qkv_proj, gate_up_proj), naming all of their parts (as the default targets do)
+    targets the fused module; naming only some of them cannot be placed and is refused.
+    """
+    allowed = family.lora_targets
+    requested = set(target_modules)
+    for fused, parts in _FUSED_HF.items():
+        if fused in allowed and requested & set(parts):
+            if not requested >= set(parts):
+                raise InvalidRequest(
+                    f"lora_config.target_modules: {family.name} fuses {list(parts)} into {fused!r}; "
+                    f"target all of them or {fused!r}",
+                    param="train_args",
+                )
+            requested = (requested - set(parts)) | {fused}
+    unknown = sorted(requested - set(allowed))
+    if unknown or not requested:
+        raise InvalidRequest(
+            f"lora_config.target_modules {unknown or '[]'} not supported for {family.name}; choose from {list(allowed)}",
+            param="train_args",
+        )
+    return [p for p in allowed if p in requested]
+
+
 # --- helpers the family declarations share --------------------------------------------------------------------
 
 
