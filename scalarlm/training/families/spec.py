@@ -112,8 +112,7 @@ def rope_parameters(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
     if isinstance(params, dict) and params:
         return params, "rope_parameters"
     scaling = dict(config.get("rope_scaling") or {})
-    if "rope_type" not in scaling and "type" in scaling:
-        scaling["rope_type"] = scaling["type"]
+    scaling["rope_type"] = scaling.get("rope_type") or scaling.get("type") or "default"
     scaling.setdefault("rope_theta", _value(config, "rope_theta", 10000.0))
     return scaling, "rope_scaling"
 

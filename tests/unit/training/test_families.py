@@ -1,0 +1,138 @@
+"""The family rules, without torch: which config fields each family reads, and what it refuses naming the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.training.families import BY_NAME, FAMILIES, FAMILY_LIST, hf_tensor_names, read_arch
+from scalarlm.training.families.spec import ModelArch, lora_targets
+
+BASE = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False, "hidden_act": "silu",
+}  # fmt: skip
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+
+
+def arch_of(architecture: str = "LlamaForCausalLM", **changes) -> ModelArch:
+    """Read a config whose tensor names are exactly what its family maps (so only the config is under test)."""
+    config = {**BASE, "architectures": [architecture], **changes}
+    probe = read_arch(config, _names_for(config))
+    return probe
+
+
+def _names_for(config: dict) -> list[str]:
+    family = FAMILIES.get(config["architectures"][0], BY_NAME["llama"])
+    tied = bool(config.get("tie_word_embeddings"))
+    shape = ModelArch(family=family.name, vocab_size=1, hidden_size=1, num_layers=config["num_hidden_layers"],
+                      num_heads=1, num_kv_heads=1, head_dim=1, ffn_hidden_size=1, norm_eps=0.0, rope_theta=0.0,
+                      max_position_embeddings=1, tied_embeddings=tied, qk_layernorm=family.qk_layernorm,
+                      fused_qkv=family.fused_qkv, fused_gate_up=family.fused_gate_up)  # fmt: skip
+    return hf_tensor_names(shape)
+
+
+def test_family_modules_import_no_torch() -> None:
+    code = ("import sys, scalarlm.training.families, scalarlm.launcher.model_check; "
+            "sys.exit(any(m.split('.')[0] in ('torch', 'transformers', 'megatron') for m in sys.modules))")  # fmt: skip
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_registry_names_every_family_once() -> None:
+    assert {f.name for f in FAMILY_LIST} == {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"}
+    assert all(FAMILIES[a] is f for f in FAMILY_LIST for a in f.architectures)
+
+
+def test_llama3_rope_is_read_from_the_config_and_needs_all_its_fields() -> None:
+    arch = arch_of(rope_parameters=LLAMA3_ROPE)
+    assert arch.llama3_rope == (32.0, 1.0, 4.0, 8192) and arch.rope_theta == 500000.0
+    legacy = arch_of(rope_scaling={**LLAMA3_ROPE, "rope_type": None, "type": "llama3"}, rope_theta=500000.0)
+    assert legacy.llama3_rope == arch.llama3_rope  # transformers 4.x spelling
+    partial = {k: v for k, v in LLAMA3_ROPE.items() if k != "low_freq_factor"}
+    with pytest.raises(InvalidRequest, match="lacks 'low_freq_factor'"):
+        arch_of(rope_parameters=partial)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "rope_type"),
+    [("LlamaForCausalLM", "yarn"), ("LlamaForCausalLM", "dynamic"), ("Qwen3ForCausalLM", "llama3"),
+     ("Phi3ForCausalLM", "longrope"), ("Phi3ForCausalLM", "su")],
+)  # fmt: skip
+def test_unknown_rope_types_are_refused_naming_the_field(architecture: str, rope_type: str) -> None:
+    with pytest.raises(InvalidRequest, match=rf"rope_parameters.rope_type '{rope_type}' is not supported"):
+        arch_of(architecture, rope_parameters={"rope_type": rope_type, "rope_theta": 1e4})
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act"), ({"mlp_bias": True}, "mlp_bias"),
+     ({"attention_bias": True}, "attention_bias"), ({"resid_pdrop": 0.1}, "resid_pdrop"),
+     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
+      "partial_rotary_factor")],
+)  # fmt: skip
+def test_fields_that_change_the_maths_are_refused_by_name(changes: dict, field: str) -> None:
+    with pytest.raises(InvalidRequest, match=field):
+        arch_of(**changes)
+
+
+def test_recognised_but_unsupported_families_say_why() -> None:
+    with pytest.raises(InvalidRequest, match=r"Gemma2ForCausalLM.*soft-capping"):
+        arch_of("Gemma2ForCausalLM")
+    with pytest.raises(InvalidRequest, match=r"GPT2LMHeadModel.*supported: \['LlamaForCausalLM'"):
+        arch_of("GPT2LMHeadModel")
+
+
+def test_sliding_windows_are_per_layer_as_transformers_applies_them() -> None:
+    assert arch_of("MistralForCausalLM", sliding_window=8).windows == (8, 8)
+    assert arch_of("MistralForCausalLM", sliding_window=None).windows == ()
+    qwen = dict(sliding_window=16, max_window_layers=1)
+    assert arch_of("Qwen2ForCausalLM", **qwen).windows == ()  # use_sliding_window is false
+    assert arch_of("Qwen2ForCausalLM", use_sliding_window=True, **qwen).windows == (None, 16)
+    typed = arch_of("Qwen3ForCausalLM", use_sliding_window=True, sliding_window=4,
+                    layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    assert typed.windows == (4, None) and typed.window(0) == 4 and typed.window(1) is None
+    with pytest.raises(InvalidRequest, match="layer_types"):
+        arch_of("Qwen3ForCausalLM", use_sliding_window=True, sliding_window=4, layer_types=["chunked_attention"] * 2)
+
+
+def test_smollm3_nope_layers_follow_hf_convention() -> None:
+    assert arch_of("SmolLM3ForCausalLM", no_rope_layers=[1, 0]).rope_layers == (True, False)
+    derived = arch_of("SmolLM3ForCausalLM", num_hidden_layers=4, no_rope_layer_interval=4)
+    assert derived.rope_layers == (True, True, True, False)
+
+
+def test_tensor_names_are_strict() -> None:
+    config = {**BASE, "architectures": ["Qwen3ForCausalLM"]}
+    names = _names_for(config)
+    assert "model.layers.1.self_attn.k_norm.weight" in names
+    with pytest.raises(InvalidRequest, match=r"map to nothing.*'model.layers.0.mlp.experts.0.w1.weight'"):
+        read_arch(config, [*names, "model.layers.0.mlp.experts.0.w1.weight"])
+    with pytest.raises(InvalidRequest, match=r"lacks 1 tensor.*q_norm"):
+        read_arch(config, [n for n in names if n != "model.layers.0.self_attn.q_norm.weight"])
+    read_arch(config, [*names, "model.layers.0.self_attn.rotary_emb.inv_freq"])  # derived buffers are tolerated
+
+
+def test_phi3_lora_targets_are_the_fused_modules() -> None:
+    phi3 = BY_NAME["phi3"]
+    assert lora_targets(phi3, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]) == [
+        "qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # fmt: skip
+    assert lora_targets(phi3, ["qkv_proj"]) == ["qkv_proj"]
+    with pytest.raises(InvalidRequest, match="fuses"):
+        lora_targets(phi3, ["q_proj", "v_proj"])
+    with pytest.raises(InvalidRequest, match="qkv_proj"):
+        lora_targets(BY_NAME["llama"], ["qkv_proj"])
+
+
+def test_every_tiny_family_model_reads_as_its_family(tmp_path: Path) -> None:
+    from scalarlm.cli.tiny_model import make_tiny_model
+    from scalarlm.training.model import model_arch
+
+    for name, family in [("qwen3", "qwen3"), ("phi3", "phi3"), ("llama3", "llama"), ("smollm3", "smollm3")]:
+        arch = model_arch(make_tiny_model(tmp_path / name, family=name, hidden=128, heads=2, kv_heads=1))
+        assert arch.family == family and arch.head_dim == 64
