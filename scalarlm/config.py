@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import yaml
 from pydantic import BaseModel, Field, field_validator
@@ -36,16 +36,34 @@ class ServerSettings(BaseModel):
     admit_factor: float = Field(4.0, gt=0)
 
 
+# How each accelerator's memory is divided (fractions of one GPU). vLLM's share covers its weights, activations
+# and KV cache (`gpu_memory_utilization`). Dedicated: vLLM has the GPUs to itself (a worker pod, split mode).
+# Shared: an embedded node whose local launcher runs the trainer's ranks on the same GPUs; what neither share
+# takes is headroom for the CUDA/NCCL contexts outside both allocators. docs/deploy.md ("Sizing") and the
+# chart's `worker.gpuMemoryUtilization` state the same numbers (tests/unit/deploy/test_gpu_memory_split.py).
+DEDICATED_VLLM_SHARE = 0.85
+SHARED_VLLM_SHARE = 0.40
+SHARED_TRAINER_SHARE = 0.55
+SHARED_HEADROOM = 0.05
+# vLLM's CPU backend cannot size its KV cache from a memory fraction (it applies it to host RAM): it gets bytes.
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
 class EngineSettings(BaseModel):
     """vLLM engine settings; CPU-safe defaults measured on a 2-core box (see ARCHITECTURE.md)."""
 
     max_model_len: int = Field(512, ge=16)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
-    kv_cache_bytes: int = Field(1 << 30, ge=1 << 20)
+    # KV cache size in bytes. None: on an accelerator the KV cache is whatever `gpu_memory_utilization` leaves
+    # after the weights and activations (vLLM's own sizing); on CPU, CPU_KV_CACHE_BYTES. Set it only to pin
+    # the size: vLLM then ignores `gpu_memory_utilization` for the KV cache.
+    kv_cache_bytes: int | None = Field(None, ge=1 << 20)
     max_num_seqs: int = Field(256, ge=1)
     enforce_eager: bool = True
     tensor_parallel_size: int = Field(1, ge=1)
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    # Fraction of each GPU vLLM takes. None: DEDICATED_VLLM_SHARE, or SHARED_VLLM_SHARE when the trainer
+    # shares the GPUs (see `gpu_memory_split`).
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     enable_lora: bool = True
     max_loras: int = Field(4, ge=1)
     max_lora_rank: int = Field(16, ge=1)
@@ -143,6 +161,30 @@ class Settings(BaseSettings):
     @property
     def jobs_dir(self) -> Path:
         return self.home / "jobs"
+
+
+class GpuMemorySplit(NamedTuple):
+    """Fractions of each GPU: vLLM's (`gpu_memory_utilization`) and the trainer's ranks' (0: not on these GPUs)."""
+
+    vllm: float
+    trainer: float
+
+
+def trainer_shares_gpus(settings: Settings) -> bool:
+    """Whether the trainer's ranks run on this node's GPUs beside vLLM: an embedded node with the local launcher."""
+    return settings.server.role == "embedded" and settings.training.launcher == "local"
+
+
+def gpu_memory_split(settings: Settings) -> GpuMemorySplit:
+    """How this node divides each GPU between vLLM and the trainer (an explicit `gpu_memory_utilization` wins)."""
+    shared = trainer_shares_gpus(settings)
+    vllm = settings.engine.gpu_memory_utilization
+    if vllm is None:
+        vllm = SHARED_VLLM_SHARE if shared else DEDICATED_VLLM_SHARE
+    if not shared:
+        return GpuMemorySplit(vllm=vllm, trainer=0.0)
+    trainer = SHARED_TRAINER_SHARE if settings.engine.gpu_memory_utilization is None else 1.0 - SHARED_HEADROOM - vllm
+    return GpuMemorySplit(vllm=vllm, trainer=round(max(trainer, 0.0), 4))
 
 
 # Short env names for the settings people set most, mapped to their nested place.

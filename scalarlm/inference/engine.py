@@ -7,15 +7,19 @@ import itertools
 from argparse import Namespace
 from dataclasses import dataclass, field
 
-from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.envs import enable_envs_cache
-from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-from vllm.usage.usage_lib import UsageContext
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-from vllm.v1.engine.async_llm import AsyncLLM
-
-from scalarlm.config import Settings
+from scalarlm.config import CPU_KV_CACHE_BYTES, Settings, gpu_memory_split
 from scalarlm.inference.load import LoadTracker, stat_logger_factory
+from scalarlm.inference.vllm_api import (
+    AsyncEngineArgs,
+    AsyncLLM,
+    Device,
+    FlexibleArgumentParser,
+    UsageContext,
+    enable_envs_cache,
+    engine_device,
+    make_arg_parser,
+    validate_parsed_serve_args,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +44,24 @@ class Engine:
         self.llm.shutdown(timeout=self.llm.vllm_config.shutdown_timeout)
 
 
-def serve_cli_args(settings: Settings) -> list[str]:
-    """The `vllm serve` flags equivalent to our settings (so the engine is built exactly as vLLM's server)."""
+def memory_cli_args(settings: Settings, device: Device) -> list[str]:
+    """The flags that size vLLM's memory on `device`.
+
+    On an accelerator vLLM sizes its KV cache from `--gpu-memory-utilization` (this node's share of each GPU,
+    see `config.gpu_memory_split`) unless the user pins `kv_cache_bytes`: vLLM ignores the fraction for the
+    KV cache whenever `--kv-cache-memory-bytes` is given. vLLM's CPU backend needs the byte size.
+    """
+    eng = settings.engine
+    if device == "cpu":
+        return ["--kv-cache-memory-bytes", str(eng.kv_cache_bytes or CPU_KV_CACHE_BYTES)]
+    argv = ["--gpu-memory-utilization", str(gpu_memory_split(settings).vllm)]
+    if eng.kv_cache_bytes is not None:
+        argv += ["--kv-cache-memory-bytes", str(eng.kv_cache_bytes)]
+    return argv
+
+
+def serve_cli_args(settings: Settings, device: Device | None = None) -> list[str]:
+    """The `vllm serve` flags equivalent to our settings on `device` (default: where vLLM will run)."""
     eng = settings.engine
     argv = [
         "--model", settings.model,
@@ -49,8 +69,7 @@ def serve_cli_args(settings: Settings) -> list[str]:
         "--dtype", eng.dtype,
         "--max-model-len", str(eng.max_model_len),
         "--max-num-seqs", str(eng.max_num_seqs),
-        "--kv-cache-memory-bytes", str(eng.kv_cache_bytes),
-        "--gpu-memory-utilization", str(eng.gpu_memory_utilization),
+        *memory_cli_args(settings, device or engine_device()),
         "--tensor-parallel-size", str(eng.tensor_parallel_size),
         "--seed", str(eng.seed),
         # Our pull loop and backend stamp their own fingerprint (model + weights version) on responses.
@@ -63,10 +82,10 @@ def serve_cli_args(settings: Settings) -> list[str]:
     return argv
 
 
-def parse_serve_args(settings: Settings) -> Namespace:
+def parse_serve_args(settings: Settings, device: Device | None = None) -> Namespace:
     """Parse our settings with vLLM's own `vllm serve` argument parser (defaults and checks included)."""
     parser = make_arg_parser(FlexibleArgumentParser(prog="scalarlm-worker"))
-    args = parser.parse_args(serve_cli_args(settings))
+    args = parser.parse_args(serve_cli_args(settings, device))
     validate_parsed_serve_args(args)
     return args
 

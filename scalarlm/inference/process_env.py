@@ -15,10 +15,11 @@ def configure_vllm_process_env() -> None:
     it starts in ~3 s instead of ~20 s and shares the caller's event loop. Call this once, first thing,
     in the process that will build an engine.
     """
-    import torch  # cheap next to vllm, and vllm imports it anyway
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # Our own loggers report per-request state; vLLM's per-request INFO lines would flood at 10k prompts.
+    # Set before any vLLM import: vLLM configures its logger when first imported.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from scalarlm.inference.vllm_api import engine_device  # vLLM reads the variables below lazily
+
+    if engine_device() == "cpu":
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     logger.debug("vLLM multiprocessing=%s", os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "default"))

@@ -59,6 +59,8 @@ __all__ = [
     "_format_error",
     "clean_loc_for_param",
     "create_error_response",
+    "current_platform",
+    "current_platform_name",
     "enable_envs_cache",
     "engine_device",
     "init_app_state",
@@ -71,3 +73,8 @@ __all__ = [
 def engine_device() -> Device:
     """Where vLLM will run its engine, decided as vLLM decides it (its current platform): CPU or an accelerator."""
     return "cpu" if current_platform.is_cpu() else "accelerator"
+
+
+def current_platform_name() -> str:
+    """vLLM's name for the device type it detected ("cpu", "cuda" also on ROCm, ...; "none" when it found none)."""
+    return current_platform.device_type or "none"

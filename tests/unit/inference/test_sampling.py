@@ -6,9 +6,8 @@ from scalarlm.inference.process_env import configure_vllm_process_env
 
 configure_vllm_process_env()
 
-from vllm.sampling_params import RequestOutputKind  # noqa: E402
-
 from scalarlm.inference.sampling import to_engine_prompt, to_vllm_sampling  # noqa: E402
+from scalarlm.inference.vllm_api import RequestOutputKind  # noqa: E402
 from scalarlm.protocol.generate import ChatMessage, SamplingParams, WorkItem  # noqa: E402
 
 
