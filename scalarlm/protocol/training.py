@@ -88,6 +88,7 @@ class TrainArgs(BaseModel):
             self.adapter_type = "full"  # ScalarLM's name for "train every weight"
         if self.adapter_type == "tokenformer":
             raise ValueError("adapter_type 'tokenformer' is not supported; use 'lora' or 'full'")
+        _refuse_unsupported(self)
         ranks = self.world_size
         if ranks % self.tensor_parallel_size:
             raise ValueError(
@@ -105,6 +106,25 @@ class TrainArgs(BaseModel):
         return self.steps_per_publish or self.steps_per_checkpoint
 
 
+def _refuse_unsupported(args: TrainArgs) -> None:
+    """Settings the trainer would otherwise accept and not honour: refused, naming the field and what to send."""
+    if args.trust_remote_code:
+        raise ValueError("trust_remote_code: true is not supported: the trainer maps only the model families it "
+                         "knows to megatron-core and never runs a checkpoint's own code; leave it false")
+    if args.distribution_strategy == "fsdp":
+        raise ValueError("distribution_strategy 'fsdp' is not supported: the trainer runs megatron-core data and "
+                         "tensor parallelism ('megatron', the default, or 'ddp' for data parallel only)")
+    if args.distribution_strategy == "ddp" and args.tensor_parallel_size > 1:
+        raise ValueError("distribution_strategy 'ddp' is data parallel only; use 'megatron' with "
+                         f"tensor_parallel_size {args.tensor_parallel_size}")
+    if args.dtype == "float16":
+        raise ValueError("dtype 'float16' is not supported for training (no loss scaling); use 'bfloat16' "
+                         "(GPUs), 'float32' or 'auto'")
+    if args.dtype == "bfloat16" and args.gpus == 0:
+        raise ValueError("dtype 'bfloat16' needs GPUs: CPU ranks (gpus 0) train in float32; send dtype 'auto' "
+                         "or 'float32', or gpus > 0")
+
+
 class TrainJobConfig(BaseModel):
     """What `jobs/<id>/job.yaml` holds: the validated request as submitted."""
 
@@ -116,6 +136,14 @@ class TrainJobConfig(BaseModel):
     session: bool = False
     # A session's trainer ends itself (state saved, CANCELLED) after this long without a step request; None: never.
     session_idle_seconds: float | None = None
+    # The run's time limit, min(train_args.timeout, training.max_train_seconds), set by the control plane: past it
+    # the trainer saves its state at the next step boundary and ends FAILED saying so. None: train_args.timeout.
+    max_train_seconds: float | None = None
+
+    @property
+    def time_limit(self) -> float:
+        """Seconds one run of this job may train."""
+        return self.max_train_seconds if self.max_train_seconds is not None else float(self.train_args.timeout)
 
     @field_validator("job_id")
     @classmethod

@@ -172,6 +172,8 @@ class TrainingJobs:
             raise
 
     def _launch(self, job: JobDir, config: TrainJobConfig, launcher: Launcher) -> JobStatus:
+        limit = min(config.train_args.timeout, self.settings.training.max_train_seconds)
+        config = config.model_copy(update={"max_train_seconds": float(limit)})  # the trainer stops itself there
         job.write_config(config)
         with self._lock:
             args = config.train_args

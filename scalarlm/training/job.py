@@ -99,6 +99,7 @@ def run_job(job_dir: Path, environ: Mapping[str, str]) -> int:
     except (ScalarLMError, ValidationError, OSError, ValueError) as e:
         return _fail(job, f"{type(e).__name__}: {e}") if main else 1
     args = config.train_args
+    clock = TimeLimit(config.time_limit)  # model loading counts, as it does under SLURM's --time
     if main:
         job.create()
         job.update_status(status="RUNNING", reason=None, max_steps=args.max_steps, start_time=time.time(), end_time=None)
@@ -130,8 +131,12 @@ def run_job(job_dir: Path, environ: Mapping[str, str]) -> int:
                             metrics["tokens_per_second"])
 
         markers = (job.cancel_marker, job.shutdown_marker)
+
+        def stop_requested() -> bool:
+            return stop.requested() or (main and (clock.expired() or any(m.exists() for m in markers)))
+
         loop = run_session if config.session else run
-        outcome = loop(trainer, lambda: stop.requested() or (main and any(m.exists() for m in markers)), on_step)
+        outcome = loop(trainer, stop_requested, on_step)
     except Exception as e:  # the entry point turns any failure into FAILED with its reason
         logger.exception("training failed")
         step = trainer.step if trainer is not None else None
@@ -140,15 +145,33 @@ def run_job(job_dir: Path, environ: Mapping[str, str]) -> int:
         shutdown_parallel()
 
     if main:
-        _record_outcome(job, outcome, trainer.step, stop)
+        _record_outcome(job, outcome, trainer.step, stop, clock)
     return 0
 
 
-def _record_outcome(job: JobDir, outcome: str, step: int, stop: StopSignal) -> None:
+class TimeLimit:
+    """The run's time budget (`timeout` / `training.max_train_seconds`), counted from the trainer's start."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.started = time.monotonic()
+        self.hit = False
+
+    def expired(self) -> bool:
+        """True once the budget is spent (and remembered, so the outcome can say why the job stopped)."""
+        self.hit = self.hit or time.monotonic() - self.started > self.seconds
+        return self.hit
+
+
+def _record_outcome(job: JobDir, outcome: str, step: int, stop: StopSignal, clock: TimeLimit) -> None:
     """Write the final status of a job that ended without an error."""
     now = time.time()
     if outcome == "completed":
         job.update_status(status="COMPLETED", reason=None, step=step, end_time=now)
+    elif clock.hit and not job.cancel_marker.exists() and not job.shutdown_marker.exists():
+        reason = (f"stopped at step {step}: the time limit of {clock.seconds:g} s (train_args.timeout, capped by "
+                  "training.max_train_seconds) ran out; state saved, resume the job to continue from it")
+        job.update_status(status="FAILED", reason=reason, step=step, end_time=now)
     elif job.cancel_marker.exists():
         # An idle RL session cancels itself and leaves its reason in the marker.
         reason = job.cancel_marker.read_text().strip() if outcome == "idle" else f"cancelled at step {step}"

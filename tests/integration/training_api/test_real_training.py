@@ -103,3 +103,17 @@ def test_two_cpu_ranks_run_under_mpirun(real_client):
     assert body["job_status"]["status"] == "COMPLETED", real_client.get(f"/v1/megatron/train/{job_id}/logs").text
     assert read_record(JobDir(job_root)).command[1:3] == ["-n", "2"]
     assert (job_root / "logs" / "rank-1.log").is_file()
+
+
+def test_time_limit_saves_state_and_fails_the_job_saying_so(real_client):
+    """`timeout` holds on the local launcher too: past it the trainer saves at a step boundary and ends FAILED."""
+    job_id = post_train(real_client, sdk_archive(MEMORISE), {**TRAIN_ARGS, "max_steps": 100_000, "timeout": 25}).json()[
+        "job_status"
+    ]["job_id"]
+    started = time.monotonic()
+    status = wait_done(real_client, job_id, lambda s: s["status"] in ("COMPLETED", "FAILED", "CANCELLED"))["job_status"]
+    assert status["status"] == "FAILED"
+    assert status["reason"].startswith(f"stopped at step {status['step']}: the time limit of 25 s"), status["reason"]
+    assert 25 <= time.monotonic() - started < 120
+    state = JobDir(Path(status["job_directory"])).root / "state" / "latest.json"
+    assert __import__("json").loads(state.read_text())["step"] == status["step"] > 0

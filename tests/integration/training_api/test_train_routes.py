@@ -7,17 +7,19 @@ import json
 import subprocess
 import sys
 import tarfile
+import textwrap
 
 import pytest
 from fastapi.testclient import TestClient
 
 from scalarlm.checkpoint import JobDir
-from scalarlm.launcher import LaunchRecord
+from scalarlm.launcher import LaunchRecord, LocalLauncher
 from scalarlm.launcher.base import write_record
 from scalarlm.protocol.training import JobStatus, TrainArgs, TrainJobConfig
 from scalarlm.server.app import create_app
+from scalarlm.server.jobs import TrainingJobs
 
-from sdk_payloads import ROWS, post_train, sdk_archive  # helper module next to this file
+from sdk_payloads import ROWS, STAND_IN_TRAINER, post_train, sdk_archive  # helper module next to this file
 
 
 def error_of(response) -> dict:
@@ -82,6 +84,12 @@ def test_v1_train_alias_and_plain_jsonl_upload(client, wait_status):
         ({"cpu_ranks": 3, "tensor_parallel_size": 2}, "tensor_parallel_size 2 must divide"),
         ("{not json", "params is not valid JSON"),
         ({"llm_name": "no-such-model"}, "unknown model 'no-such-model'"),
+        # Accepted by ScalarLM's JobConfig, not honoured by this trainer: refused rather than ignored.
+        ({"trust_remote_code": True}, "trust_remote_code: true is not supported"),
+        ({"distribution_strategy": "fsdp"}, "distribution_strategy 'fsdp' is not supported"),
+        ({"distribution_strategy": "ddp", "cpu_ranks": 2, "tensor_parallel_size": 2}, "'ddp' is data parallel only"),
+        ({"dtype": "float16"}, "dtype 'float16' is not supported for training"),
+        ({"dtype": "bfloat16", "gpus": 0}, "dtype 'bfloat16' needs GPUs"),
     ],
 )
 def test_bad_train_args_are_400_naming_the_problem(client, settings, params, named):
@@ -188,3 +196,17 @@ def test_restarted_control_plane_fails_a_job_whose_trainer_died(settings):
 def test_gpu_and_node_counts(client):
     assert client.get("/v1/megatron/gpu_count").json() == {"gpu_count": 0}
     assert client.get("/v1/megatron/node_count").json() == {"node_count": 1}
+
+
+@pytest.mark.parametrize(("timeout", "cap", "limit"), [(100, 86400, 100.0), (100, 30, 30.0)])
+def test_time_limit_is_the_job_timeout_capped_by_max_train_seconds(settings, tmp_path, timeout, cap, limit):
+    capped = settings.model_copy(update={"training": settings.training.model_copy(update={"max_train_seconds": cap})})
+    trainer = tmp_path / "stand_in_trainer.py"
+    trainer.write_text(textwrap.dedent(STAND_IN_TRAINER))
+    app = create_app(capped)
+    app.state.training = TrainingJobs(capped, {"local": LocalLauncher(capped, entry=[str(trainer)])})
+    with TestClient(app) as client:
+        response = post_train(client, sdk_archive(), {"max_steps": 1, "timeout": timeout})
+        assert response.status_code == 200, response.text
+        config = JobDir(capped.jobs_dir / response.json()["job_status"]["job_id"]).read_config()
+    assert (config.max_train_seconds, config.time_limit) == (limit, limit)
