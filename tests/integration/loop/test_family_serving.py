@@ -1,0 +1,89 @@
+"""Each new family through the whole loop: a real `scalarlm serve` (vLLM worker, local megatron trainer) per family.
+
+An SFT job (full weights, then LoRA) publishes a checkpoint that opens in `transformers` (PEFT for the adapter); the
+served greedy answer for the job, after the hot swap, equals `transformers` greedy on that checkpoint; one GRPO step
+trains and publishes. One module-scoped server per family, a few steps per job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import scalarlm
+from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS
+
+pytestmark = pytest.mark.slow
+
+FAMILIES = ["qwen3", "llama3", "phi3", "smollm3", "mistral"]
+PROMPTS = ["What is the capital of France?", "What do bees make?", "What colour is the sky?"]
+FACTS = [{"input": p, "output": o} for p, o in zip(PROMPTS, [" Paris", " honey", " blue"])]
+TOKENS = 6
+TRAIN = {"max_steps": 4, "learning_rate": 1e-2, "steps_per_checkpoint": 4, "max_seq_len": 64, "dtype": "float32"}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                  serve_process: Callable[..., Any]) -> Iterator[tuple[str, str, Path]]:  # fmt: skip
+    """(family, URL, base model dir) of a real `scalarlm serve` whose base is the family's tiny model."""
+    from scalarlm.cli.tiny_model import make_tiny_model
+
+    name = request.param
+    root = tmp_path_factory.mktemp(f"serve-{name}")
+    model = make_tiny_model(root / name, **FAMILY_TINY_MODELS[name])
+    with serve_process(root, model) as (url, _, _):
+        yield name, url, model
+
+
+def _hf_greedy(base: Path, checkpoint: Path) -> list[str]:
+    """`transformers` greedy completions on the published checkpoint (PEFT over the base for an adapter)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    lora = (checkpoint / "adapter_config.json").exists()
+    model: Any = AutoModelForCausalLM.from_pretrained(base if lora else checkpoint, dtype=torch.float32)
+    if lora:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, checkpoint)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    answers = []
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=TOKENS, do_sample=False)
+        answers.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    return answers
+
+
+def _train_and_compare(url: str, base: Path, adapter_type: str) -> None:
+    llm = scalarlm.ScalarLM(api_url=url, timeout=600)
+    job = llm.train(FACTS, train_args={**TRAIN, "adapter_type": adapter_type})
+    assert job.wait(timeout=900).status == "COMPLETED", job.info()
+    info = job.info()
+    step = info.checkpoints[-1]
+    checkpoint = Path(info.job_status["job_directory"]) / "checkpoints" / f"step-{step}"
+    results = llm.generate(PROMPTS, model_name=job.id, max_tokens=TOKENS, temperature=0, return_details=True)
+    assert [(r.model, r.version) for r in results] == [(job.id, step)] * len(PROMPTS)
+    expected = _hf_greedy(base, checkpoint)
+    assert [r.response for r in results] == expected
+    assert any(answer.strip() for answer in expected)  # a real comparison, not empty strings
+
+
+@pytest.mark.parametrize("adapter_type", ["full", "lora"])
+def test_sft_job_is_served_like_transformers(family_server: tuple[str, str, Path], adapter_type: str) -> None:
+    _, url, base = family_server
+    _train_and_compare(url, base, adapter_type)
+
+
+def test_one_grpo_step_trains_and_publishes(family_server: tuple[str, str, Path]) -> None:
+    _, url, _ = family_server
+    llm = scalarlm.ScalarLM(api_url=url, timeout=600)
+    rows = [{"prompt": PROMPTS[0], "completion": c, "reward": r} for c, r in ((" Paris", 1.0), (" Rome", 0.0))]
+    job = llm.train(rows, train_args={**TRAIN, "max_steps": 1, "loss": "grpo", "batch_size": 1})
+    assert job.wait(timeout=900).status == "COMPLETED", job.info()
+    assert job.info().checkpoints == [1]
