@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from scalarlm.server.periodic import every
 from scalarlm.checkpoint import JobDir, latest_step, list_steps, read_manifest
 from scalarlm.checkpoint.hub_cache import resolve_model
-from scalarlm.config import Settings
+from scalarlm.config import Settings, TrainingSettings
 from scalarlm.launcher import (
     Launcher,
     ResumePolicy,
@@ -57,8 +57,9 @@ def new_job_id() -> str:
     return f"job-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(4)}"
 
 
-def parse_train_args(params: str | dict[str, Any] | None) -> TrainArgs:
-    """Validate train args; 400 naming the unknown key or the field with a wrong value."""
+def parse_train_args(params: str | dict[str, Any] | None, training: TrainingSettings) -> TrainArgs:
+    """Validate train args, with the resources a submission leaves out taken from the server's `training` settings;
+    400 naming the unknown key or the field with a wrong value."""
     if isinstance(params, str):
         try:
             params = json.loads(params) if params.strip() else {}
@@ -69,9 +70,20 @@ def parse_train_args(params: str | dict[str, Any] | None) -> TrainArgs:
     if not isinstance(params, dict):
         raise InvalidRequest("params must be a JSON object of train args", param="params")
     try:
-        return TrainArgs.model_validate(params)
+        return TrainArgs.model_validate(with_cluster_defaults(params, training))
     except ValidationError as e:
         raise _describe(e) from None
+
+
+def with_cluster_defaults(params: dict[str, Any], training: TrainingSettings) -> dict[str, Any]:
+    """Fill `gpus` and `cpu_ranks` when the submission leaves them out: on a GPU cluster (`gpus_per_node` > 0) a
+    job gets one GPU per tensor-parallel rank (ScalarLM's default is one GPU); on CPU, `training.cpu_ranks`."""
+    params = dict(params)
+    if "gpus" not in params and training.gpus_per_node > 0:
+        tp = params.get("tensor_parallel_size", 1)
+        params["gpus"] = tp if isinstance(tp, int) and tp > 0 else 1
+    params.setdefault("cpu_ranks", training.cpu_ranks)
+    return params
 
 
 def _describe(error: ValidationError) -> InvalidRequest:
@@ -140,7 +152,7 @@ class TrainingJobs:
 
     def submit(self, upload: Path, params: str | dict[str, Any] | None) -> TrainResponse:
         """Validate args, dataset and model; write `jobs/<id>/`; launch. Any error leaves no job behind."""
-        args = parse_train_args(params)
+        args = parse_train_args(params, self.settings.training)
         base_model = self.base_model_for(args.llm_name)
         launcher = self.launcher_for(args)
         check_base_model(base_model, args)  # the trainer's family rules: refuse before anything is written

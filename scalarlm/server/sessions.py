@@ -57,7 +57,7 @@ class RLSessions:
         params.setdefault("lr_schedule", "constant")  # open-ended: no horizon for a schedule to decay over
         if request.model_name is not None:
             params.setdefault("llm_name", request.model_name)
-        args = parse_train_args(params)
+        args = parse_train_args(params, self.jobs.settings.training)
         base_model = self.jobs.base_model_for(args.llm_name)
         job = JobDir.under(self.jobs.settings.jobs_dir, new_job_id().replace("job-", "session-", 1))
         job.create()

@@ -97,7 +97,7 @@ def train_alias(
 @router.post("/upload/init", response_model=UploadInitResponse)
 def upload_init(body: UploadInitRequest, jobs: JobsDep, uploads: UploadsDep) -> UploadInitResponse:
     """Open (or resume) a chunked upload; train args are checked now, before any data is sent."""
-    parse_train_args(body.params)
+    parse_train_args(body.params, jobs.settings.training)
     return uploads.init(body)
 
 

@@ -210,3 +210,21 @@ def test_time_limit_is_the_job_timeout_capped_by_max_train_seconds(settings, tmp
         assert response.status_code == 200, response.text
         config = JobDir(capped.jobs_dir / response.json()["job_status"]["job_id"]).read_config()
     assert (config.max_train_seconds, config.time_limit) == (limit, limit)
+
+
+@pytest.mark.parametrize(
+    ("cluster", "sent", "resources"),
+    [
+        ({"cpu_ranks": 2}, {}, (0, 2)),  # training.cpu_ranks is the default of a CPU job
+        ({"cpu_ranks": 2}, {"cpu_ranks": 1}, (0, 1)),  # what a job sends wins
+        ({"gpus_per_node": 8}, {}, (1, 1)),  # a GPU cluster: one GPU per job, as ScalarLM
+        ({"gpus_per_node": 8}, {"tensor_parallel_size": 2}, (2, 1)),  # ... one per tensor-parallel rank
+        ({"gpus_per_node": 8}, {"gpus": 0}, (0, 1)),  # CPU ranks asked for explicitly
+    ],
+)
+def test_resources_a_job_leaves_out_come_from_the_training_settings(settings, tmp_path, cluster, sent, resources):
+    from scalarlm.server.jobs import parse_train_args
+
+    training = settings.training.model_copy(update=cluster)
+    args = parse_train_args({"max_steps": 1, **sent}, training)
+    assert (args.gpus, args.cpu_ranks) == resources
