@@ -102,7 +102,7 @@ def _build_tokenizer(vocab: int):
     return wrapped
 
 
-def _model_config(
+def _family_config(
     family: Family,
     vocab: int,
     hidden: int,
@@ -158,6 +158,17 @@ def _model_config(
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
+def _model_config(family: Family, *args, overrides: dict | None = None):
+    """The family's config with `overrides` applied on top (transformers derives layer_types etc. from them)."""
+    config = _family_config(family, *args)
+    if not overrides:
+        return config
+    fields = config.to_dict()
+    if "layer_types" not in overrides:
+        fields.pop("layer_types", None)  # derived from the other fields: derive it again
+    return type(config)(**{**fields, **overrides})
+
+
 def _randomize(model, seed: int) -> None:
     """Fill every weight from one seeded generator so the files depend only on the seed."""
     import torch
@@ -185,8 +196,11 @@ def make_tiny_model(
     intermediate: int | None = None,
     max_position: int = 1024,
     tie_embeddings: bool | None = None,
+    config_overrides: dict | None = None,
 ) -> Path:
-    """Write a random-weight model + tokenizer to `path` (float32 safetensors) and return the path."""
+    """Write a random-weight model + tokenizer to `path` (float32 safetensors) and return the path.
+
+    `config_overrides` are passed to the family's config class (e.g. Qwen3's `use_sliding_window`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -211,6 +225,7 @@ def make_tiny_model(
         family, len(tokenizer), hidden, layers, heads, kv_heads,
         intermediate or 2 * hidden, max_position,
         family in TIED_BY_DEFAULT if tie_embeddings is None else tie_embeddings, token_ids,
+        overrides=config_overrides,
     )
     config.dtype = torch.float32
     torch.manual_seed(seed)
@@ -236,6 +251,9 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
     "mistral": dict(family="mistral", hidden=256, heads=4, kv_heads=2, seed=3),
     "qwen2-tied": dict(family="qwen2", hidden=128, heads=2, kv_heads=2, tie_embeddings=True),
     "qwen3": dict(family="qwen3", hidden=256, heads=4, kv_heads=2, seed=4),
+    # Sliding window on the layers from max_window_layers on, full attention below (per-layer, as transformers).
+    "qwen3-sliding": dict(family="qwen3", hidden=256, heads=4, kv_heads=2, seed=7,
+                          config_overrides={"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
     "smollm3": dict(family="smollm3", hidden=256, heads=4, kv_heads=2, seed=5),
     "phi3": dict(family="phi3", hidden=256, heads=4, kv_heads=2, seed=6),
 }

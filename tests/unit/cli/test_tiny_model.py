@@ -83,3 +83,24 @@ def test_peft_lora_attaches_and_runs(tiny_model_dir: Path) -> None:
     assert 0 < trainable < sum(p.numel() for p in model.parameters()) // 10
     logits = model(torch.tensor([[0, 5, 6]])).logits
     assert logits.shape == (1, 3, 512)
+
+
+@pytest.mark.parametrize("family", ["llama3", "mistral", "qwen3", "smollm3", "phi3"])
+def test_every_family_builds_offline_with_its_real_fields(tmp_path: Path, family: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    assert main(["make-tiny-model", str(tmp_path / family), "--family", family, "--heads", "2"]) == 0
+    config = json.loads((tmp_path / family / "config.json").read_text())
+    assert config["hidden_size"] // config["num_attention_heads"] == 64  # vLLM's CPU attention
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        assert 0 <= config[key] < config["vocab_size"], key  # Phi-3 and SmolLM3 default to ids past a tiny vocab
+    fields = {"llama3": ("rope_parameters", "rope_type", "llama3"), "mistral": ("sliding_window", None, 8),
+              "smollm3": ("no_rope_layers", None, [1, 0]), "qwen3": ("architectures", None, ["Qwen3ForCausalLM"]),
+              "phi3": ("architectures", None, ["Phi3ForCausalLM"])}  # fmt: skip
+    key, sub, value = fields[family]
+    assert (config[key][sub] if sub else config[key]) == value
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / family)
+    assert model(torch.tensor([[0, 5, 6]])).logits.shape == (1, 3, config["vocab_size"])
+    if family == "phi3":
+        assert "model.layers.0.self_attn.qkv_proj.weight" in model.state_dict()
