@@ -60,9 +60,24 @@ def _mask_from_spans(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[i
     return [e > s and any(s < end and e > start for start, end in spans) for s, e in offsets]
 
 
+def _by_pieces(tokenizer: Any, full: str, spans: Sequence[tuple[int, int]]) -> tuple[list[int], list[bool]]:
+    """Tokenize the text between span bounds piece by piece (tokenizers without character offsets)."""
+    bounds = sorted({0, len(full), *(b for span in spans for b in span)})
+    ids: list[int] = []
+    mask: list[bool] = []
+    for start, end in zip(bounds, bounds[1:]):
+        piece = tokenizer(full[start:end], add_special_tokens=False)["input_ids"]
+        ids += piece
+        mask += [any(a <= start < b for a, b in spans)] * len(piece)
+    return ids, mask
+
+
 def _fallback(tokenizer: Any, messages: Sequence[dict[str, Any]], where: str) -> tuple[list[int], list[bool]]:
     full, spans = assistant_spans(tokenizer, messages, where)
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    try:
+        enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    except NotImplementedError:  # a Python tokenizer: no offsets
+        return _by_pieces(tokenizer, full, spans)
     return list(enc["input_ids"]), _mask_from_spans(enc["offset_mapping"], spans)
 
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from sharded_models import model_arch, sharded_tiny_model
 from trainer_jobs import mpi_env, require_mpirun
 
@@ -39,7 +40,7 @@ def _expected_rank_bytes(model_dir: Path, tp: int) -> int:
             numel = 1
             for n in w.shape(name):
                 numel *= n
-            size = 2 if w.source_dtype(name) in (hf_io.torch.bfloat16, hf_io.torch.float16) else 4
+            size = 2 if w.source_dtype(name) in (torch.bfloat16, torch.float16) else 4
             total += numel * size // (1 if "norm" in name else tp)
     return total
 
@@ -62,7 +63,7 @@ def test_a_tp2_rank_reads_only_its_slices_and_gets_the_full_conversions_shard(
             params, read = load_rank_params(model_dir, arch, rank, 2)
             expected = hf_to_mcore(full, arch, rank, 2)
             assert set(params) == set(expected)
-            assert all(p.dtype == hf_io.torch.float32 and hf_io.torch.equal(p, expected[k]) for k, p in params.items())
+            assert all(p.dtype == torch.float32 and torch.equal(p, expected[k]) for k, p in params.items())
             assert read["bytes_read"] == _expected_rank_bytes(model_dir, 2), (model_dir.name, read)
             assert read["bytes_read"] < 0.55 * read["stored_bytes"]
 
@@ -101,5 +102,5 @@ def test_a_split_the_loader_cannot_slice_falls_back_to_whole_tensors(models: lis
     arch = model_arch(model_dir)
     params, read = load_rank_params(model_dir, arch, 1, 4)
     expected = hf_to_mcore(hf_io.load_weights(model_dir), arch, 1, 4)
-    assert set(params) == set(expected) and all(hf_io.torch.equal(params[k], expected[k]) for k in expected)
+    assert set(params) == set(expected) and all(torch.equal(params[k], expected[k]) for k in expected)
     assert read["bytes_read"] >= read["stored_bytes"]  # whole tensors (the tie check reads lm_head once more)

@@ -96,6 +96,28 @@ def test_mask_covers_exactly_the_assistant_tokens(base_tokenizer, kind: str) -> 
     assert (list(doc.tokens), list(doc.targets)) == (hand_ids, hand_mask)
 
 
+class _NoOffsets:
+    """A tokenizer without character offsets (as Python tokenizers are): the fallback tokenizes piece by piece."""
+
+    def __init__(self, tok) -> None:
+        self.tok = tok
+        self.chat_template = tok.chat_template
+
+    def apply_chat_template(self, *args, **kwargs):
+        return self.tok.apply_chat_template(*args, **kwargs)
+
+    def __call__(self, text, return_offsets_mapping: bool = False, **kwargs):
+        if return_offsets_mapping:
+            raise NotImplementedError("return_offset_mapping is not available when using Python tokenizers")
+        return self.tok(text, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["qwen", "llama3"])
+def test_tokenizers_without_offsets_get_the_same_mask(base_tokenizer, kind: str) -> None:
+    tok = _tokenizer(base_tokenizer, kind, generation=False)
+    assert encode_chat(_NoOffsets(tok), CHAT, "row 0") == _hand(tok, kind)
+
+
 def test_the_two_templates_give_different_tokens(base_tokenizer) -> None:
     qwen, llama = (_tokenizer(base_tokenizer, k, generation=False) for k in ("qwen", "llama3"))
     assert encode_chat(qwen, CHAT, "row 0")[0] != encode_chat(llama, CHAT, "row 0")[0]
