@@ -45,14 +45,6 @@ from scalarlm.training.state import latest_state, load_state, save_state
 logger = logging.getLogger(__name__)
 
 
-def _warn_unimplemented(args: TrainArgs) -> None:
-    """Say which requested options this trainer does not honour yet (they are accepted for compatibility)."""
-    if args.gradient_checkpointing:
-        logger.warning("gradient_checkpointing is not implemented yet: ignored")
-    if args.dtype == "float16":
-        logger.warning("float16 is trained as bfloat16 on GPU (fp32 on CPU)")
-
-
 class Trainer:
     """One rank's share of an SFT job: model shard, optimizer, data stream and step counter."""
 
@@ -67,7 +59,6 @@ class Trainer:
         self.base_config = hf_io.read_config(self.base)
         self.arch = model_arch(self.base)
         self.bf16 = par.on_gpu and args.dtype != "float32"
-        _warn_unimplemented(args)
 
         self.tokenizer = tokenizer = AutoTokenizer.from_pretrained(self.base)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -90,7 +81,7 @@ class Trainer:
         # The KL reference of full-weight training is a frozen copy of the base (LoRA: adapters disabled).
         self.ref_model = None
         if not self.lora and args.loss != "sft" and args.kl_coef > 0:
-            self.ref_model = self._build_model().eval()
+            self.ref_model = self._build_model(trained=False).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
         # Overlapped grad all-reduce for SFT only: sft_step runs all but its last micro-batch under no_sync().
@@ -101,9 +92,11 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
 
-    def _build_model(self) -> torch.nn.Module:
-        """The GPTModel shard of this TP rank, loaded from the base HF checkpoint."""
-        model = build_gpt_model(self.arch, self.par.tp_size, self.bf16)
+    def _build_model(self, trained: bool = True) -> torch.nn.Module:
+        """The GPTModel shard of this TP rank, loaded from the base HF checkpoint (`trained`: False for the frozen
+        KL reference, which runs without autograd and so needs no activation recompute)."""
+        recompute = trained and self.args.gradient_checkpointing
+        model = build_gpt_model(self.arch, self.par.tp_size, self.bf16, recompute=recompute)
         # Each rank reads only the slices of the HF tensors its shard holds (no full copy of the model).
         mcore, read = load_rank_params(self.base, self.arch, self.par.tp_rank, self.par.tp_size)
         logger.info("rank %d read %d of %d checkpoint bytes", self.par.rank, read["bytes_read"], read["stored_bytes"])

@@ -27,8 +27,12 @@ def model_arch(model_dir: Path) -> ModelArch:
     """The trained shape of the HF checkpoint in `model_dir` (InvalidRequest naming what its family refuses)."""
     return read_arch(read_config(model_dir), tensor_names(model_dir))
 
-def transformer_config(arch: ModelArch, tp: int, bf16: bool):
-    """The megatron TransformerConfig for `arch`: fusions off, per-token loss (the SFT loss sums over the batch)."""
+def transformer_config(arch: ModelArch, tp: int, bf16: bool, recompute: bool = False):
+    """The megatron TransformerConfig for `arch`: fusions off, per-token loss (the SFT loss sums over the batch).
+
+    `recompute` (train arg `gradient_checkpointing`): megatron's full activation recompute, one layer at a time:
+    each layer keeps only its input and runs its forward again in backward (same gradients, less memory).
+    """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -63,6 +67,9 @@ def transformer_config(arch: ModelArch, tp: int, bf16: bool):
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
     )
 
 
@@ -136,7 +143,7 @@ def _per_document_rope(freqs: Tensor, position_ids: Tensor) -> Tensor:
     return table[position_ids.t()].unsqueeze(2)
 
 
-def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool = True):
+def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool = True, recompute: bool = False):
     """A megatron-core GPTModel for `arch` on this rank's TP shard (weights uninitialised: load them next)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -155,7 +162,7 @@ def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool 
     # SDPA instead of megatron's unfused baddbmm + masked softmax + bmm (same maths, one fused kernel).
     spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class(arch)
     model = PackedGPTModel(
-        config=transformer_config(arch, tp, bf16),
+        config=transformer_config(arch, tp, bf16, recompute),
         transformer_layer_spec=spec,
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,

@@ -220,3 +220,29 @@ def test_bad_row_fails_before_training_naming_the_line(jobs_root: Path, tiny_mod
     assert status.status == "FAILED"
     assert "line 3" in status.reason and "'output'" in status.reason, status.reason
     assert job.read_metrics() == []
+
+
+def test_gradient_checkpointing_recomputes_activations_with_the_same_gradients(tiny_model_dir: Path) -> None:
+    """In one forward + backward: the same loss and gradients, a fraction of the activations kept for backward."""
+    import subprocess
+    import sys
+
+    from trainer_jobs import mpi_env
+
+    script = Path(__file__).with_name("recompute_check.py")
+    proc = subprocess.run([sys.executable, str(script), str(tiny_model_dir)], env=mpi_env(), capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    result = json.loads(line[len("RESULT ") :])
+    assert result["loss_diff"] == 0.0 and result["grad_diff"] < 1e-6, result
+    assert result["saved_recompute"] < 0.5 * result["saved_plain"], result
+
+
+def test_gradient_checkpointing_job_reproduces_the_loss_curve(reference: JobDir, jobs_root: Path,
+                                                               tiny_model_dir: Path) -> None:  # fmt: skip
+    job = make_job(jobs_root, "recompute", tiny_model_dir, rows(), **TRAIN_ARGS, gradient_checkpointing=True)
+    assert run_trainer(job) == 0, trainer_output(job)
+    ours, theirs = losses(job), losses(reference)
+    assert len(ours) == len(theirs) == TRAIN_ARGS["max_steps"]
+    assert max(abs(a - b) for a, b in zip(ours, theirs)) < RESUME_TOLERANCE
