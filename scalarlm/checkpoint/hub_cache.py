@@ -8,6 +8,7 @@ InvalidRequest naming it (HTTP 400 at submission), never a download attempt.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -54,6 +55,18 @@ def resolve_model(name: str, cache_dir: Path, param: str = "model") -> Path:
             param=param,
         )
     return snapshot
+
+
+def has_chat_template(model_dir: Path) -> bool:
+    """True if the model directory ships a chat template (chat rows are rendered with it)."""
+    model_dir = Path(model_dir)
+    if (model_dir / "chat_template.jinja").is_file() or (model_dir / "chat_template.json").is_file():
+        return True
+    config = model_dir / "tokenizer_config.json"
+    try:
+        return bool(json.loads(config.read_text()).get("chat_template")) if config.is_file() else False
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def with_local_model(settings: Settings) -> Settings:

@@ -159,16 +159,44 @@ def read_rows(path: str | Path) -> list[Row]:
     return rows
 
 
-def read_rl_objects(path: str | Path) -> list[dict[str, Any]]:
-    """The scored rows of a GRPO dataset as decoded objects, each validated as an RLRow."""
+def _rl_objects(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
     raw = []
     for line, text in _lines(path):
         obj = _json_object(text, line)
         rl_row_from_object(obj, f"dataset line {line}")
-        raw.append(obj)
+        raw.append((line, obj))
     if not raw:
         raise InvalidRequest("dataset is empty: no rows to train on", param="dataset")
     return raw
+
+
+def read_rl_objects(path: str | Path) -> list[dict[str, Any]]:
+    """The scored rows of a GRPO dataset as decoded objects, each validated as an RLRow."""
+    return [obj for _, obj in _rl_objects(path)]
+
+
+@dataclass(frozen=True)
+class DatasetSummary:
+    """What the control plane learns from checking a dataset: its row count, and the first chat row's line."""
+
+    rows: int
+    first_chat_line: int | None = None
+
+
+def summarize_dataset(path: str | Path, loss: str = "sft") -> DatasetSummary:
+    """Check every row of a JSONL dataset for a job with this `loss`; InvalidRequest naming the first bad one."""
+    if loss != "sft":
+        lines = [(line, obj) for line, obj in _rl_objects(path)]
+        chat = next((line for line, obj in lines if "messages" in obj), None)
+        return DatasetSummary(len(lines), chat)
+    count, chat = 0, None
+    for row in iter_rows(path):
+        count += 1
+        if chat is None and row.messages is not None:
+            chat = row.line
+    if not count:
+        raise InvalidRequest("dataset is empty: no rows to train on", param="dataset")
+    return DatasetSummary(count, chat)
 
 
 def validate_dataset(path: str | Path, loss: str = "sft") -> int:
@@ -176,9 +204,4 @@ def validate_dataset(path: str | Path, loss: str = "sft") -> int:
 
     Raises InvalidRequest (HTTP 400) whose message names the first bad line and its field.
     """
-    if loss != "sft":
-        return len(read_rl_objects(path))
-    count = sum(1 for _ in iter_rows(path))
-    if not count:
-        raise InvalidRequest("dataset is empty: no rows to train on", param="dataset")
-    return count
+    return summarize_dataset(path, loss).rows

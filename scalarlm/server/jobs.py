@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from scalarlm.server.periodic import every
 from scalarlm.checkpoint import JobDir, latest_step, list_steps, read_manifest
-from scalarlm.checkpoint.hub_cache import resolve_model
+from scalarlm.checkpoint.hub_cache import has_chat_template, resolve_model
 from scalarlm.config import Settings, TrainingSettings
 from scalarlm.launcher import (
     Launcher,
@@ -36,7 +36,7 @@ from scalarlm.launcher import (
 )
 from scalarlm.launcher.model_check import check_base_model
 from scalarlm.protocol.errors import Conflict, EngineUnavailable, InvalidRequest, NotFound, ScalarLMError
-from scalarlm.protocol.rows import validate_dataset
+from scalarlm.protocol.rows import summarize_dataset
 from scalarlm.protocol.training import (
     NAME_PATTERN,
     DeleteJobResponse,
@@ -160,7 +160,11 @@ class TrainingJobs:
         job.create()
         try:
             extract_dataset(upload, job.dataset_path, self.settings.upload.max_upload_bytes)
-            rows = validate_dataset(job.dataset_path, args.loss)
+            summary = summarize_dataset(job.dataset_path, args.loss)
+            if summary.first_chat_line is not None and not has_chat_template(Path(base_model)):
+                raise InvalidRequest(f"dataset line {summary.first_chat_line}: chat rows need a chat template, and "
+                                     f"base model {base_model} has none", param="dataset")  # fmt: skip
+            rows = summary.rows
             config = TrainJobConfig(
                 job_id=job.job_id, base_model=base_model, train_args=args, dataset_rows=rows, created=time.time()
             )

@@ -52,3 +52,22 @@ def test_grpo_chat_prompts_are_accepted(client, settings, no_child_processes):
     response = post_train(client, sdk_archive(rows, with_ml=False), {"max_steps": 1, "loss": "grpo"})
     assert response.status_code == 200, response.text
     assert response.json()["job_config"]["dataset_rows"] == 2
+
+
+def test_chat_rows_on_a_model_without_a_chat_template_are_a_400(client, settings, tiny_model_dir, tmp_path):
+    """The base (here a local directory named by llm_name) must ship a chat template for chat rows."""
+    import json
+    import shutil
+
+    plain = tmp_path / "no-template"
+    shutil.copytree(tiny_model_dir, plain, ignore=shutil.ignore_patterns("chat_template.*"))
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    response = post_train(client, sdk_archive(ROWS[:1] + [chat], with_ml=False), {"llm_name": str(plain)})
+    assert response.status_code == 400, response.text
+    assert "dataset line 2: chat rows need a chat template" in response.json()["error"]["message"]
+    assert _job_dirs(settings) == []
+    ok = post_train(client, sdk_archive(ROWS[:1], with_ml=False), {"llm_name": str(plain), "max_steps": 1})
+    assert ok.status_code == 200 and ok.json()["job_config"]["base_model"] == str(plain.resolve())

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scalarlm.checkpoint.hub_cache import cached_snapshot, is_hub_id, resolve_model, with_local_model
+from scalarlm.checkpoint.hub_cache import cached_snapshot, has_chat_template, is_hub_id, resolve_model, with_local_model
 from scalarlm.config import Settings, default_hf_cache
 from scalarlm.protocol.errors import InvalidRequest
 
@@ -73,3 +73,14 @@ def test_default_cache_follows_the_hf_variables(monkeypatch: pytest.MonkeyPatch,
     assert default_hf_cache() == tmp_path / "hf" / "hub"
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "c"))
     assert Settings(home=tmp_path).hf_cache == tmp_path / "c"
+
+
+def test_chat_template_found_in_any_of_its_files(tmp_path: Path) -> None:
+    assert not has_chat_template(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": ""}))
+    assert not has_chat_template(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    assert has_chat_template(tmp_path)
+    (tmp_path / "tokenizer_config.json").unlink()
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
+    assert has_chat_template(tmp_path)
