@@ -39,11 +39,13 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @pytest.fixture
-def client(tmp_path: Path, tiny_model_dir: Path, hub: tuple[Path, Path]) -> Iterator[TestClient]:
-    settings = Settings(home=tmp_path / "home", model=str(tiny_model_dir), hf_cache=hub[0],
-                        training={"poll_seconds": 0.5})  # fmt: skip
+def settings(tmp_path: Path, tiny_model_dir: Path, hub: tuple[Path, Path]) -> Settings:
+    return Settings(home=tmp_path / "home", model=str(tiny_model_dir), hf_cache=hub[0], training={"poll_seconds": 0.5})
+
+
+@pytest.fixture
+def client(settings: Settings) -> Iterator[TestClient]:
     with TestClient(create_app(settings)) as c:
-        c.jobs_dir = settings.jobs_dir  # type: ignore[attr-defined]
         yield c
 
 
@@ -64,15 +66,17 @@ def _wait(client: TestClient, job_id: str, timeout: float = 420.0) -> dict:
         time.sleep(0.5)
 
 
-def test_an_uncached_hub_id_is_a_400_naming_it_and_nothing_is_written(client: TestClient) -> None:
+def test_an_uncached_hub_id_is_a_400_naming_it_and_nothing_is_written(client: TestClient, settings: Settings) -> None:
     response = _submit(client, CHATS, {"llm_name": "tiny-org/not-cached", "max_steps": 1})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert "'tiny-org/not-cached'" in error["message"] and error["param"] == "llm_name"
-    assert not client.jobs_dir.exists() or not any(client.jobs_dir.iterdir())  # type: ignore[attr-defined]
+    assert not settings.jobs_dir.exists() or not any(settings.jobs_dir.iterdir())
 
 
-def test_a_cached_hub_id_trains_and_publishes_a_real_checkpoint(client: TestClient, hub: tuple[Path, Path]) -> None:
+def test_a_cached_hub_id_trains_and_publishes_a_real_checkpoint(
+    client: TestClient, settings: Settings, hub: tuple[Path, Path]
+) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -85,7 +89,7 @@ def test_a_cached_hub_id_trains_and_publishes_a_real_checkpoint(client: TestClie
     job_id = response.json()["job_status"]["job_id"]
     final = _wait(client, job_id)
     assert final["job_status"]["status"] == "COMPLETED", final
-    step = client.jobs_dir / job_id / "checkpoints" / "step-2"  # type: ignore[attr-defined]
+    step = settings.jobs_dir / job_id / "checkpoints" / "step-2"
 
     source = hf_io.source_dtypes(snapshot)
     assert hf_io.source_dtypes(step) == source and set(source.values()) == {torch.bfloat16}
