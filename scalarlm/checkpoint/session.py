@@ -1,10 +1,13 @@
 """The file contract of an RL session (a long-lived trainer taking one step per submitted batch).
 
 `jobs/<id>/session/`:
+  meta-<k>.json       SessionRequestMeta of request k (the version that generated its rows, when accepted),
+                      written by the control plane just before the request
   request-<k>.jsonl   rows of step k, written by the control plane (atomic rename)
-  result-<k>.json     SessionStepResult of step k, written by the trainer after publishing step k
+  result-<k>.json     SessionStepResult of step k, written by the trainer after publishing step k (or refusing it)
   end                 written by the control plane to end the session; the trainer exits COMPLETED
-Files, not sockets, so the same contract holds for a local trainer and one under SLURM.
+Files, not sockets, so the same contract holds for a local trainer and one under SLURM. Requests may be written
+while earlier ones train (up to the session's `max_staleness + 1` in flight); the trainer takes them in order.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from scalarlm.checkpoint.jobdir import JobDir, atomic_write_text
-from scalarlm.protocol.training import SessionStepResult
+from scalarlm.protocol.training import SessionRequestMeta, SessionStepResult
 
 
 class SessionDir:
@@ -30,6 +33,9 @@ class SessionDir:
     def request_path(self, k: int) -> Path:
         return self.root / f"request-{k}.jsonl"
 
+    def meta_path(self, k: int) -> Path:
+        return self.root / f"meta-{k}.json"
+
     def result_path(self, k: int) -> Path:
         return self.root / f"result-{k}.json"
 
@@ -42,8 +48,24 @@ class SessionDir:
         ks = [int(p.stem.split("-")[1]) for p in self.root.glob("request-*.jsonl")]
         return max(ks, default=0) + 1
 
-    def write_request(self, k: int, rows: list[dict[str, Any]]) -> None:
+    def write_request(self, k: int, rows: list[dict[str, Any]], meta: SessionRequestMeta | None = None) -> None:
+        """Request k: its meta first, then the rows (the trainer starts on the rows file)."""
+        if meta is not None:
+            atomic_write_text(self.meta_path(k), meta.model_dump_json())
         atomic_write_text(self.request_path(k), "".join(json.dumps(r) + "\n" for r in rows))
+
+    def read_meta(self, k: int) -> SessionRequestMeta:
+        """Request k's meta (an empty one for requests written without, e.g. by an older control plane)."""
+        p = self.meta_path(k)
+        return SessionRequestMeta.model_validate_json(p.read_text()) if p.exists() else SessionRequestMeta()
+
+    def last_result_index(self) -> int:
+        """The highest request index with a result (0: none); the trainer answers requests in order."""
+        return max((int(p.stem.split("-")[1]) for p in self.root.glob("result-*.json")), default=0)
+
+    def pending(self) -> list[int]:
+        """Request indices written that have no result yet, in order."""
+        return list(range(self.last_result_index() + 1, self.next_request_index()))
 
     def read_request(self, k: int) -> list[dict[str, Any]] | None:
         p = self.request_path(k)
@@ -63,3 +85,11 @@ class SessionDir:
 
     def end_requested(self) -> bool:
         return self.end_path.exists()
+
+
+def stale_message(session_id: str, generated: int, current: int, max_staleness: int) -> str:
+    """The refusal of a batch generated with version `generated` for weights at version `current` (409)."""
+    return (f"session {session_id}: batch generated with version {generated} is {current - generated} versions "
+            f"older than the weights at version {current} (max_staleness {max_staleness}); generate again with "
+            f"the newest version, or create the session with stale_policy 'reweight' to train it with its "
+            f"importance ratio")  # fmt: skip

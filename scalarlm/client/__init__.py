@@ -2,7 +2,7 @@
 
 from scalarlm.client.async_client import AsyncScalarLM
 from scalarlm.client.errors import GenerationFailed
-from scalarlm.client.rl import AsyncRLSession, RLSession
+from scalarlm.client.rl import AsyncRLSession, AsyncStepFuture, PipelineStep, RLSession, StepFuture
 from scalarlm.client.sync_client import ScalarLM
 from scalarlm.client.training import AsyncTrainingJob, TrainingFailed, TrainingJob
 
@@ -10,6 +10,6 @@ from scalarlm.client.training import AsyncTrainingJob, TrainingFailed, TrainingJ
 SupermassiveIntelligence = ScalarLM
 
 __all__ = [
-    "AsyncRLSession", "AsyncScalarLM", "AsyncTrainingJob", "GenerationFailed", "RLSession", "ScalarLM",
-    "SupermassiveIntelligence", "TrainingFailed", "TrainingJob",
+    "AsyncRLSession", "AsyncScalarLM", "AsyncStepFuture", "AsyncTrainingJob", "GenerationFailed", "PipelineStep",
+    "RLSession", "ScalarLM", "StepFuture", "SupermassiveIntelligence", "TrainingFailed", "TrainingJob",
 ]  # fmt: skip

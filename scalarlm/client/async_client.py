@@ -4,16 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
-
 from scalarlm.client import flows
-from scalarlm.client.connection import auth_headers, resolve_api_key, resolve_api_url
+from scalarlm.client.connection import DEFAULT_TIMEOUT, auth_headers, resolve_api_key, resolve_api_url
 from scalarlm.client.payloads import PromptInput
 from scalarlm.client.rl import DEFAULT_STEP_WAIT_SECONDS, AsyncRLSession, create_flow
-from scalarlm.client.sync_client import DEFAULT_TIMEOUT
 from scalarlm.client.training import AsyncTrainingMethods
-from scalarlm.client.transport import run_async
+from scalarlm.client.transport import AsyncRunner
 from scalarlm.protocol.generate import GenerateResult
+from scalarlm.protocol.training import StalePolicy
 
 
 class AsyncScalarLM(AsyncTrainingMethods):
@@ -22,12 +20,7 @@ class AsyncScalarLM(AsyncTrainingMethods):
     def __init__(self, api_url: str | None = None, api_key: str | None = None,
                  timeout: float = DEFAULT_TIMEOUT) -> None:
         self.api_url = resolve_api_url(api_url)
-        self._headers = auth_headers(resolve_api_key(api_key))
-        self._timeout = timeout
-
-    async def _run(self, flow: flows.Flow) -> Any:
-        async with httpx.AsyncClient(base_url=self.api_url, headers=self._headers, timeout=self._timeout) as http:
-            return await run_async(http, flow)
+        self._run = AsyncRunner(self.api_url, auth_headers(resolve_api_key(api_key)), timeout)
 
     async def generate(self, prompts: PromptInput | list[PromptInput], model_name: str | None = None,
                        max_tokens: int | None = None, return_details: bool = False,
@@ -45,10 +38,11 @@ class AsyncScalarLM(AsyncTrainingMethods):
         return await self._run(flows.get_results(request_ids, wait_seconds))
 
     async def rl_session(self, model_name: str | None = None, train_args: dict[str, Any] | None = None,
-                         step_wait_seconds: float = DEFAULT_STEP_WAIT_SECONDS) -> AsyncRLSession:
-        """Start an RL session (a trainer taking one step per `session.step(rows)`; full weights by default)."""
-        info = await self._run(create_flow(model_name, train_args))
-        return AsyncRLSession(self, info, step_wait_seconds)
+                         step_wait_seconds: float = DEFAULT_STEP_WAIT_SECONDS, max_staleness: int = 1,
+                         stale_policy: StalePolicy = "refuse") -> AsyncRLSession:  # fmt: skip
+        """Start an RL session (see `ScalarLM.rl_session`)."""
+        info = await self._run(create_flow(model_name, train_args, max_staleness, stale_policy))
+        return AsyncRLSession(self._run, info, step_wait_seconds, model_name)
 
     async def health(self) -> dict[str, Any]:
         """GET /v1/health."""

@@ -16,6 +16,8 @@ import httpx
 from scalarlm.protocol.errors import ScalarLMError, error_from_response
 
 DEFAULT_API_URL = "http://localhost:8000"
+# Seconds per request, beyond the long-poll window a call asks for.
+DEFAULT_TIMEOUT = 60.0
 URL_ENV_NAMES = ("SCALARLM_API_URL", "MASINT_API_URL")
 KEY_ENV_NAME = "SCALARLM_API_KEY"
 

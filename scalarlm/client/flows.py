@@ -8,7 +8,7 @@ JSON body back (or has the typed error thrown into it). `ScalarLM` drives flows 
 from __future__ import annotations
 
 import sys
-from collections.abc import Generator
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +56,9 @@ class Sleep:
 
 
 Flow = Generator[Call | Sleep, Any, Any]
+# What clients and handles hold to run a flow (transport.SyncRunner / AsyncRunner).
+Run = Callable[[Flow], Any]
+AsyncRun = Callable[[Flow], Awaitable[Any]]
 
 
 @dataclass

@@ -5,17 +5,14 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Any
 
-import httpx
-
 from scalarlm.client import flows
-from scalarlm.client.connection import auth_headers, resolve_api_key, resolve_api_url
+from scalarlm.client.connection import DEFAULT_TIMEOUT, auth_headers, resolve_api_key, resolve_api_url
 from scalarlm.client.payloads import PromptInput
 from scalarlm.client.rl import DEFAULT_STEP_WAIT_SECONDS, RLSession, create_flow
 from scalarlm.client.training import TrainingMethods
-from scalarlm.client.transport import run_sync
+from scalarlm.client.transport import SyncRunner
 from scalarlm.protocol.generate import GenerateResult
-
-DEFAULT_TIMEOUT = 60.0
+from scalarlm.protocol.training import StalePolicy
 
 
 class ScalarLM(TrainingMethods):
@@ -24,12 +21,7 @@ class ScalarLM(TrainingMethods):
     def __init__(self, api_url: str | None = None, api_key: str | None = None,
                  timeout: float = DEFAULT_TIMEOUT) -> None:
         self.api_url = resolve_api_url(api_url)
-        self._http = httpx.Client(
-            base_url=self.api_url, headers=auth_headers(resolve_api_key(api_key)), timeout=timeout
-        )
-
-    def _run(self, flow: flows.Flow) -> Any:
-        return run_sync(self._http, flow)
+        self._run = SyncRunner(self.api_url, auth_headers(resolve_api_key(api_key)), timeout)
 
     def generate(self, prompts: PromptInput | list[PromptInput], model_name: str | None = None,
                  max_tokens: int | None = None, return_details: bool = False,
@@ -51,10 +43,16 @@ class ScalarLM(TrainingMethods):
         return self._run(flows.get_results(request_ids, wait_seconds))
 
     def rl_session(self, model_name: str | None = None, train_args: dict[str, Any] | None = None,
-                   step_wait_seconds: float = DEFAULT_STEP_WAIT_SECONDS) -> RLSession:
-        """Start an RL session (a trainer taking one step per `session.step(rows)`; full weights by default)."""
-        info = self._run(create_flow(model_name, train_args))
-        return RLSession(self, info, step_wait_seconds)
+                   step_wait_seconds: float = DEFAULT_STEP_WAIT_SECONDS, max_staleness: int = 1,
+                   stale_policy: StalePolicy = "refuse") -> RLSession:  # fmt: skip
+        """Start an RL session (a trainer taking one step per `session.step(rows)`; full weights by default).
+
+        `max_staleness`: how many versions older than the weights it trains a batch may be generated with (0: a
+        synchronous loop); `stale_policy` "reweight" trains an older batch with its importance ratio instead of
+        refusing it (its rows must carry sampling logprobs).
+        """
+        info = self._run(create_flow(model_name, train_args, max_staleness, stale_policy))
+        return RLSession(self._run, info, step_wait_seconds, model_name)
 
     def health(self) -> dict[str, Any]:
         """GET /v1/health: {"api", "vllm", "all"} each "up", "down" or "starting"."""
@@ -82,7 +80,7 @@ class ScalarLM(TrainingMethods):
 
     def close(self) -> None:
         """Close the connection pool."""
-        self._http.close()
+        self._run.close()
 
     def __enter__(self) -> "ScalarLM":
         return self

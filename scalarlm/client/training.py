@@ -16,17 +16,13 @@ import tarfile
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tqdm.auto import tqdm
 
-from scalarlm.client.flows import Call, Flow, Sleep
+from scalarlm.client.flows import AsyncRun, Call, Flow, Run, Sleep
 from scalarlm.protocol.errors import ChecksumMismatch, ScalarLMError
 from scalarlm.protocol.training import JobStatus, TrainingJobResponse, TrainResponse
-
-if TYPE_CHECKING:
-    from scalarlm.client.async_client import AsyncScalarLM
-    from scalarlm.client.sync_client import ScalarLM
 
 # The ScalarLM SDK's defaults: one POST up to 90 MB (under common proxy caps), then 50 MB chunks.
 SINGLE_POST_THRESHOLD = 90 * 1024 * 1024
@@ -115,6 +111,18 @@ def _send_chunk(upload_id: str, index: int, chunk: bytes) -> Flow:
     return None
 
 
+def train_flow(data: Dataset, model_name: str | None, train_args: Mapping[str, Any] | None, threshold: int,
+               chunk_size: int) -> Flow:  # fmt: skip
+    """Upload the dataset and train args; return (job id, TrainResponse) for the job handle."""
+    response = yield from submit_flow(training_archive(data), _params(model_name, train_args), threshold, chunk_size)
+    return response.job_status["job_id"], response
+
+
+def job_flow(job_id: str) -> Flow:
+    """(job id, its description) for a handle on an existing job (NotFound for unknown ids)."""
+    return job_id, (yield from describe_flow(job_id))
+
+
 def describe_flow(job_id: str) -> Flow:
     body = yield Call("GET", f"/v1/megatron/train/{job_id}")
     return TrainingJobResponse.model_validate(body)
@@ -198,11 +206,15 @@ def _job_id(job: "str | TrainingJob | AsyncTrainingJob") -> str:
     return job if isinstance(job, str) else job.id
 
 
+def _title(job_id: str) -> str:
+    return f"training loss: {job_id}"
+
+
 class TrainingJob:
     """A handle on one training job; `job["job_status"]` reads the answer that created it (ScalarLM style)."""
 
-    def __init__(self, client: "ScalarLM", job_id: str, response: TrainResponse | None = None) -> None:
-        self.client = client
+    def __init__(self, run: Run, job_id: str, response: TrainResponse | None = None) -> None:
+        self._run = run
         self.id = job_id
         self.response = response
 
@@ -216,43 +228,43 @@ class TrainingJob:
 
     def info(self) -> TrainingJobResponse:
         """Status (with loss history), config, checkpoints and the latest metrics row."""
-        return self.client._run(describe_flow(self.id))
+        return self._run(describe_flow(self.id))
 
     def status(self) -> JobStatus:
         """QUEUED, RUNNING, COMPLETED, FAILED or CANCELLED, with step, loss and reason."""
-        return self.client._run(status_flow(self.id))
+        return self._run(status_flow(self.id))
 
     def wait(self, timeout: float | None = None, poll_seconds: float = DEFAULT_POLL_SECONDS,
              progress: bool | None = None) -> JobStatus:  # fmt: skip
         """Block until the job ends and return its final status; raise TrainingFailed with the reason on FAILED."""
-        return self.client._run(wait_flow(self.id, timeout, poll_seconds, progress))
+        return self._run(wait_flow(self.id, timeout, poll_seconds, progress))
 
     def metrics(self) -> list[dict[str, Any]]:
         """One dict per step: step, loss, lr, grad norm, tokens/s, time."""
-        return self.client._run(metrics_flow(self.id))
+        return self._run(metrics_flow(self.id))
 
     def cancel(self) -> JobStatus:
         """Stop the job (the trainer saves its state first)."""
-        return self.client._run(cancel_flow(self.id))
+        return self._run(cancel_flow(self.id))
 
     def resume(self) -> JobStatus:
         """Relaunch the FAILED or CANCELLED job from its saved state."""
-        return self.client._run(resume_flow(self.id))
+        return self._run(resume_flow(self.id))
 
     def delete(self) -> None:
         """Cancel the job if it runs and remove it from the server."""
-        self.client._run(delete_flow(self.id))
+        self._run(delete_flow(self.id))
 
     def plot(self, path: str | Path) -> Path:
         """Write this job's loss curve as a PNG."""
-        return self.client.plot(self, path)
+        return plot_metrics(self._run(metrics_flow(self.id)), path, _title(self.id))
 
 
 class AsyncTrainingJob:
     """The awaitable twin of `TrainingJob`."""
 
-    def __init__(self, client: "AsyncScalarLM", job_id: str, response: TrainResponse | None = None) -> None:
-        self.client = client
+    def __init__(self, run: AsyncRun, job_id: str, response: TrainResponse | None = None) -> None:
+        self._run = run
         self.id = job_id
         self.response = response
 
@@ -265,91 +277,89 @@ class AsyncTrainingJob:
         return f"AsyncTrainingJob({self.id!r})"
 
     async def info(self) -> TrainingJobResponse:
-        return await self.client._run(describe_flow(self.id))
+        return await self._run(describe_flow(self.id))
 
     async def status(self) -> JobStatus:
-        return await self.client._run(status_flow(self.id))
+        return await self._run(status_flow(self.id))
 
     async def wait(self, timeout: float | None = None, poll_seconds: float = DEFAULT_POLL_SECONDS,
                    progress: bool | None = None) -> JobStatus:  # fmt: skip
         """Wait for the job to end; raise TrainingFailed with the reason on FAILED."""
-        return await self.client._run(wait_flow(self.id, timeout, poll_seconds, progress))
+        return await self._run(wait_flow(self.id, timeout, poll_seconds, progress))
 
     async def metrics(self) -> list[dict[str, Any]]:
-        return await self.client._run(metrics_flow(self.id))
+        return await self._run(metrics_flow(self.id))
 
     async def cancel(self) -> JobStatus:
-        return await self.client._run(cancel_flow(self.id))
+        return await self._run(cancel_flow(self.id))
 
     async def resume(self) -> JobStatus:
-        return await self.client._run(resume_flow(self.id))
+        return await self._run(resume_flow(self.id))
 
     async def delete(self) -> None:
-        await self.client._run(delete_flow(self.id))
+        await self._run(delete_flow(self.id))
 
     async def plot(self, path: str | Path) -> Path:
-        return await self.client.plot(self, path)
+        return plot_metrics(await self._run(metrics_flow(self.id)), path, _title(self.id))
 
 
 class TrainingMethods:
-    """Training methods of `ScalarLM` (mixed in; uses the client's `_run`)."""
+    """Training methods of `ScalarLM` (mixed in; `_run` is the client's SyncRunner)."""
+
+    _run: Run
 
     def train(self, data: Dataset, model_name: str | None = None, train_args: Mapping[str, Any] | None = None, *,
               single_post_threshold: int = SINGLE_POST_THRESHOLD, chunk_size: int = CHUNK_SIZE) -> TrainingJob:  # fmt: skip
         """Fine-tune on `data` (row dicts or a JSONL path); return the job handle at once."""
-        flow = submit_flow(training_archive(data), _params(model_name, train_args), single_post_threshold, chunk_size)
-        response: TrainResponse = self._run(flow)  # type: ignore[attr-defined]
-        return TrainingJob(self, response.job_status["job_id"], response)  # type: ignore[arg-type]
+        return TrainingJob(self._run,
+                           *self._run(train_flow(data, model_name, train_args, single_post_threshold, chunk_size)))
 
     def get_training_job(self, job_id: str) -> TrainingJob:
         """A handle on an existing job (its current description is fetched now; unknown ids raise NotFound)."""
-        info: TrainingJobResponse = self._run(describe_flow(job_id))  # type: ignore[attr-defined]
-        return TrainingJob(self, job_id, info)  # type: ignore[arg-type]
+        return TrainingJob(self._run, *self._run(job_flow(job_id)))
 
     def cancel(self, job: "str | TrainingJob") -> JobStatus:
         """Cancel a training job by id or handle (ScalarLM's `cancel(model_name)`)."""
-        return self._run(cancel_flow(_job_id(job)))  # type: ignore[attr-defined]
+        return self._run(cancel_flow(_job_id(job)))
 
     def resume(self, job: "str | TrainingJob") -> JobStatus:
         """Relaunch a FAILED or CANCELLED job from its saved state (Conflict if it runs or completed)."""
-        return self._run(resume_flow(_job_id(job)))  # type: ignore[attr-defined]
+        return self._run(resume_flow(_job_id(job)))
 
     def delete(self, job: "str | TrainingJob") -> dict[str, Any]:
         """Delete a training job by id or handle (ScalarLM's `delete(model_name)`)."""
-        return self._run(delete_flow(_job_id(job)))  # type: ignore[attr-defined]
+        return self._run(delete_flow(_job_id(job)))
 
     def plot(self, job: "str | TrainingJob", path: str | Path) -> Path:
         """Write the job's loss curve (step vs loss) as a PNG at `path`; return the path."""
-        job_id = _job_id(job)
-        return plot_metrics(self._run(metrics_flow(job_id)), path, f"training loss: {job_id}")  # type: ignore[attr-defined]
+        return plot_metrics(self._run(metrics_flow(_job_id(job))), path, _title(_job_id(job)))
 
 
 class AsyncTrainingMethods:
-    """Training methods of `AsyncScalarLM`."""
+    """Training methods of `AsyncScalarLM` (`_run` is the client's AsyncRunner)."""
+
+    _run: AsyncRun
 
     async def train(self, data: Dataset, model_name: str | None = None, train_args: Mapping[str, Any] | None = None,
                     *, single_post_threshold: int = SINGLE_POST_THRESHOLD,
                     chunk_size: int = CHUNK_SIZE) -> AsyncTrainingJob:  # fmt: skip
         """Fine-tune on `data` (row dicts or a JSONL path); return the job handle at once."""
-        flow = submit_flow(training_archive(data), _params(model_name, train_args), single_post_threshold, chunk_size)
-        response: TrainResponse = await self._run(flow)  # type: ignore[attr-defined]
-        return AsyncTrainingJob(self, response.job_status["job_id"], response)  # type: ignore[arg-type]
+        return AsyncTrainingJob(
+            self._run, *await self._run(train_flow(data, model_name, train_args, single_post_threshold, chunk_size))
+        )
 
     async def get_training_job(self, job_id: str) -> AsyncTrainingJob:
-        info: TrainingJobResponse = await self._run(describe_flow(job_id))  # type: ignore[attr-defined]
-        return AsyncTrainingJob(self, job_id, info)  # type: ignore[arg-type]
+        return AsyncTrainingJob(self._run, *await self._run(job_flow(job_id)))
 
     async def cancel(self, job: "str | AsyncTrainingJob") -> JobStatus:
-        return await self._run(cancel_flow(_job_id(job)))  # type: ignore[attr-defined]
+        return await self._run(cancel_flow(_job_id(job)))
 
     async def resume(self, job: "str | AsyncTrainingJob") -> JobStatus:
-        return await self._run(resume_flow(_job_id(job)))  # type: ignore[attr-defined]
+        return await self._run(resume_flow(_job_id(job)))
 
     async def delete(self, job: "str | AsyncTrainingJob") -> dict[str, Any]:
-        return await self._run(delete_flow(_job_id(job)))  # type: ignore[attr-defined]
+        return await self._run(delete_flow(_job_id(job)))
 
     async def plot(self, job: "str | AsyncTrainingJob", path: str | Path) -> Path:
         """Write the job's loss curve as a PNG at `path`."""
-        job_id = _job_id(job)
-        metrics = await self._run(metrics_flow(job_id))  # type: ignore[attr-defined]
-        return plot_metrics(metrics, path, f"training loss: {job_id}")
+        return plot_metrics(await self._run(metrics_flow(_job_id(job))), path, _title(_job_id(job)))

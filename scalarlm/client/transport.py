@@ -1,4 +1,8 @@
-"""Run flows over HTTP: httpx.Client for the sync client, httpx.AsyncClient for the async one."""
+"""Run flows over HTTP: httpx.Client for the sync client, httpx.AsyncClient for the async one.
+
+`SyncRunner` / `AsyncRunner` are what clients and their handles (jobs, sessions, step futures) hold: a
+callable that runs one flow. Handles never hold a client, so nothing in `scalarlm.client` imports back up.
+"""
 
 from __future__ import annotations
 
@@ -120,3 +124,27 @@ async def _send_async(http: httpx.AsyncClient, call: Call) -> httpx.Response:
                 return response
         await asyncio.sleep(_backoff(attempt))
         attempt += 1
+
+
+class SyncRunner:
+    """Runs flows with one pooled httpx.Client (blocking)."""
+
+    def __init__(self, api_url: str, headers: dict[str, str], timeout: float) -> None:
+        self.http = httpx.Client(base_url=api_url, headers=headers, timeout=timeout)
+
+    def __call__(self, flow: Flow) -> Any:
+        return run_sync(self.http, flow)
+
+    def close(self) -> None:
+        self.http.close()
+
+
+class AsyncRunner:
+    """Runs each flow with its own httpx.AsyncClient, so one runner works across event loops."""
+
+    def __init__(self, api_url: str, headers: dict[str, str], timeout: float) -> None:
+        self.api_url, self.headers, self.timeout = api_url, headers, timeout
+
+    async def __call__(self, flow: Flow) -> Any:
+        async with httpx.AsyncClient(base_url=self.api_url, headers=self.headers, timeout=self.timeout) as http:
+            return await run_async(http, flow)

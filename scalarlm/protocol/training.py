@@ -11,6 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 JobState = Literal["QUEUED", "RUNNING", "COMPLETED", "FAILED", "CANCELLED"]
+# What a session does with a batch generated more than `max_staleness` versions before the weights it would
+# train: "refuse" it (409 naming the versions), or "reweight" it: train it with its clipped importance ratio
+# exp(logp - logp_sampling) against the sampling logprobs, which every scored row must then carry.
+StalePolicy = Literal["refuse", "reweight"]
 TERMINAL_STATES: frozenset[str] = frozenset({"COMPLETED", "FAILED", "CANCELLED"})
 
 
@@ -134,6 +138,9 @@ class TrainJobConfig(BaseModel):
     dataset_rows: int = 0
     created: float = 0.0
     session: bool = False
+    # A session's staleness bound and what it does with a batch beyond it (see SessionCreateRequest).
+    session_max_staleness: int = 1
+    session_stale_policy: StalePolicy = "refuse"
     # A session's trainer ends itself (state saved, CANCELLED) after this long without a step request; None: never.
     session_idle_seconds: float | None = None
     # The run's time limit, min(train_args.timeout, training.max_train_seconds), set by the control plane: past it
@@ -284,34 +291,65 @@ class RLRow(BaseModel):
     group: str | None = None
     logprobs: list[float] | None = None
     completion_token_ids: list[int] | None = None
+    # The weights version that generated this completion (generate's `version`); the step's staleness is
+    # measured from the oldest version among its rows and the step request's `version`.
+    version: int | None = Field(None, ge=0)
 
 
 class SessionCreateRequest(BaseModel):
-    """POST /v1/train/sessions: start a long-lived trainer that takes one optimizer step per submitted batch."""
+    """POST /v1/train/sessions: start a long-lived trainer that takes one optimizer step per submitted batch.
+
+    `max_staleness`: how many versions older than the weights it trains a batch may be generated with (1: the
+    client generates batch k+1 while step k trains; 0: every batch is generated with the newest weights, and
+    steps run one at a time as a synchronous loop). Up to `max_staleness + 1` steps may be in flight.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     model_name: str | None = None
     train_args: dict[str, Any] = Field(default_factory=dict)
+    max_staleness: int = Field(1, ge=0)
+    stale_policy: StalePolicy = "refuse"
 
 
 class SessionStepRequest(BaseModel):
-    """POST /v1/train/sessions/{id}/step: rows for one optimizer step (SFT rows or scored RL rows)."""
+    """POST /v1/train/sessions/{id}/step (or .../steps): rows for one optimizer step (SFT rows or scored RL rows).
+
+    `version`: the weights version the rows were generated with (generate results carry it); None: unknown,
+    unless the rows carry their own `version`, and then no staleness bound applies.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     rows: list[dict[str, Any]] = Field(..., min_length=1)
+    version: int | None = Field(None, ge=0)
     wait_seconds: float = Field(600.0, ge=0)
 
 
+class SessionRequestMeta(BaseModel):
+    """`jobs/<id>/session/meta-<k>.json`, written by the control plane just before `request-<k>.jsonl`."""
+
+    version: int | None = None
+    accepted: float = 0.0
+
+
 class SessionStepResult(BaseModel):
-    """`jobs/<id>/session/result-<k>.json`, written by the trainer after step k is published."""
+    """`jobs/<id>/session/result-<k>.json`, written by the trainer after step k is published (or refused)."""
 
     step: int
     version: int
     loss: float | None = None
     metrics: dict[str, Any] = Field(default_factory=dict)
     error: str | None = None
+    # "stale": refused for staleness (409); any other error is a bad batch (400).
+    error_type: str | None = None
+    request: int | None = None
+    # The version that generated the batch, and how many versions older it was than the weights it trained.
+    generated_version: int | None = None
+    staleness: int | None = None
+    # Wall-clock (time.time) when the trainer took up the request and when it wrote this result.
+    started: float | None = None
+    finished: float | None = None
 
 
 class SessionResponse(BaseModel):
@@ -321,6 +359,8 @@ class SessionResponse(BaseModel):
     version: int = 0
     # Why the session ended (e.g. idle for `training.session_idle_seconds`), when it has.
     reason: str | None = None
+    max_staleness: int = 1
+    stale_policy: StalePolicy = "refuse"
 
 
 class PublishedNotice(BaseModel):
@@ -331,7 +371,8 @@ class PublishedNotice(BaseModel):
 
 
 class SessionStepResponse(BaseModel):
-    """POST /v1/train/sessions/{id}/step answer: the version now serving (the step just published)."""
+    """POST /v1/train/sessions/{id}/step answer: the version now serving (the step just published), the version
+    that generated its batch and the staleness it trained with."""
 
     session_id: str
     model_name: str
@@ -339,3 +380,20 @@ class SessionStepResponse(BaseModel):
     version: int
     loss: float | None = None
     metrics: dict[str, Any] = Field(default_factory=dict)
+    request: int | None = None
+    generated_version: int | None = None
+    staleness: int | None = None
+
+
+class SessionStepState(BaseModel):
+    """POST /v1/train/sessions/{id}/steps (accepted at once) and GET .../steps/{request}: where a step stands.
+
+    `state` is "queued" (written, waiting for or in training) or "trained" (`result` holds the answer a
+    blocking step gives); a refused step answers its error (409 stale, 400 bad batch) instead.
+    """
+
+    session_id: str
+    request: int
+    state: Literal["queued", "trained"]
+    accepted: float
+    result: SessionStepResponse | None = None

@@ -1,8 +1,13 @@
 """RL sessions: a long-lived trainer that takes one optimizer step per submitted batch, publishing after each.
 
 A session is a training job with `session=True`, launched like any other. The control plane talks to it
-through files (`scalarlm.checkpoint.session`): it writes `request-<k>.jsonl`, the trainer takes one step,
-publishes `checkpoints/step-<k>` and writes `result-<k>.json`; an `end` file ends it. Waiting for a result
+through files (`scalarlm.checkpoint.session`): it writes `meta-<k>.json` and `request-<k>.jsonl`, the trainer
+takes one step, publishes `checkpoints/step-<version>` and writes `result-<k>.json`; an `end` file ends it.
+
+Steps overlap generation: up to `max_staleness + 1` requests may be in flight (one training, the rest queued in
+the session dir, taken in order), so a client submits batch k+1 while step k trains. The trainer measures each
+batch's staleness (its weights version minus the version that generated the batch) and refuses, or re-weights,
+one beyond the bound; the control plane refuses one that is already too old on arrival. Waiting for a result
 never blocks the event loop: the file is polled with `asyncio.sleep` in between.
 """
 
@@ -14,15 +19,17 @@ import time
 from typing import Any
 
 from scalarlm.checkpoint import JobDir
-from scalarlm.checkpoint.session import SessionDir
-from scalarlm.protocol.errors import Conflict, EngineUnavailable, InvalidRequest, ScalarLMError
+from scalarlm.checkpoint.session import SessionDir, stale_message
+from scalarlm.protocol.errors import Conflict, EngineUnavailable, InvalidRequest, NotFound, QueueFull, ScalarLMError
 from scalarlm.protocol.training import (
     JobStatus,
     SessionCreateRequest,
+    SessionRequestMeta,
     SessionResponse,
     SessionStepRequest,
     SessionStepResponse,
     SessionStepResult,
+    SessionStepState,
     TrainJobConfig,
 )
 from scalarlm.protocol.rows import check_step_row
@@ -39,6 +46,12 @@ END_WAIT_SECONDS = 10.0
 def check_row(index: int, row: dict[str, Any]) -> None:
     """A scored RL row (`reward` present) or an SFT row (input/output, prompt/completion, messages)."""
     check_step_row(index, row)
+
+
+def batch_version(request: SessionStepRequest) -> int | None:
+    """The version that generated the batch: the oldest of the request's `version` and its rows' (None: unknown)."""
+    versions = [v for v in [request.version, *(r.get("version") for r in request.rows)] if isinstance(v, int)]
+    return min(versions, default=None)
 
 
 class RLSessions:
@@ -67,45 +80,116 @@ class RLSessions:
         config = TrainJobConfig(
             job_id=job.job_id, base_model=base_model, train_args=args, created=time.time(), session=True,
             session_idle_seconds=idle or None,  # the trainer ends itself after this long without a step request
-        )
+            session_max_staleness=request.max_staleness, session_stale_policy=request.stale_policy,
+        )  # fmt: skip
         status = self.jobs.launch(job, config)
-        logger.info("session %s: base %s, %s weights", job.job_id, base_model, args.adapter_type)
-        return SessionResponse(session_id=job.job_id, model_name=job.job_id, status=status.status, version=0)
+        logger.info("session %s: base %s, %s weights, max_staleness %d (%s)", job.job_id, base_model,
+                    args.adapter_type, request.max_staleness, request.stale_policy)  # fmt: skip
+        return SessionResponse(session_id=job.job_id, model_name=job.job_id, status=status.status, version=0,
+                               max_staleness=request.max_staleness, stale_policy=request.stale_policy)  # fmt: skip
 
-    def session(self, session_id: str) -> JobDir:
-        """The session's job dir; NotFound for unknown ids, InvalidRequest for a plain training job."""
+    def session(self, session_id: str) -> tuple[JobDir, TrainJobConfig]:
+        """The session's job dir and config; NotFound for unknown ids, InvalidRequest for a plain training job."""
         job = self.jobs.job(session_id)
-        if not job.read_config().session:
+        config = job.read_config()
+        if not config.session:
             raise InvalidRequest(f"job {session_id!r} is a training job, not an RL session", param="session_id")
-        return job
+        return job, config
 
     def describe(self, session_id: str) -> SessionResponse:
         """Status and current version."""
-        job = self.session(session_id)
+        job, config = self.session(session_id)
         status = job.read_status()
         version = self.catalog.version_of(session_id) if self.catalog.refresh_job(session_id) else 0
         reason = status.reason if status.terminal else None
         return SessionResponse(session_id=session_id, model_name=session_id, status=status.status, version=version,
-                               reason=reason)  # fmt: skip
+                               reason=reason, max_staleness=config.session_max_staleness,
+                               stale_policy=config.session_stale_policy)  # fmt: skip
 
     async def step(self, session_id: str, request: SessionStepRequest) -> SessionStepResponse:
-        """Write request-<k>, wait for result-<k>, publish the new version to the catalog."""
+        """Queue the step (waiting for a free slot when `max_staleness + 1` are in flight) and wait for its result."""
+        deadline = time.monotonic() + request.wait_seconds
+        state = await self._accept(session_id, request, deadline)
+        response = await self.result(session_id, state.request, max(0.0, deadline - time.monotonic()))
+        if response is None:
+            raise EngineUnavailable(
+                f"session {session_id}: step {state.request} did not finish within {request.wait_seconds:g} s "
+                "(the trainer is still working on it; the next step waits behind it)"
+            )
+        return response
+
+    async def submit(self, session_id: str, request: SessionStepRequest) -> SessionStepState:
+        """Queue the step and answer at once (429 when `max_staleness + 1` steps are already in flight)."""
+        return await self._accept(session_id, request, None)
+
+    async def state(self, session_id: str, k: int, wait_seconds: float) -> SessionStepState:
+        """Where request k stands, waiting up to `wait_seconds` for its result; a refused step raises its error."""
+        job, _ = await asyncio.to_thread(self.session, session_id)
+        files = SessionDir(job)
+        if not files.request_path(k).exists():
+            raise NotFound(f"session {session_id} has no step request {k}", param="request")
+        accepted = (await asyncio.to_thread(files.read_meta, k)).accepted
+        response = await self.result(session_id, k, wait_seconds)
+        return SessionStepState(session_id=session_id, request=k, state="queued" if response is None else "trained",
+                                accepted=accepted, result=response)  # fmt: skip
+
+    async def _accept(self, session_id: str, request: SessionStepRequest, deadline: float | None) -> SessionStepState:
+        """Validate, then write meta-<k> and request-<k> once fewer than `max_staleness + 1` steps are in flight."""
         for i, row in enumerate(request.rows):
             check_row(i, row)
-        job = await asyncio.to_thread(self.session, session_id)
+        job, config = await asyncio.to_thread(self.session, session_id)
+        files = SessionDir(job)
+        generated = batch_version(request)
+        slots = config.session_max_staleness + 1
         lock = self._step_locks.setdefault(session_id, asyncio.Lock())
-        async with lock:
-            status = await asyncio.to_thread(job.read_status)
-            if status.terminal:
-                raise Conflict(_ended(session_id, status), param="session_id")
-            files = SessionDir(job)
-            if files.end_requested():
-                raise Conflict(f"session {session_id} is ending", param="session_id")
-            k = await asyncio.to_thread(files.next_request_index)
-            await asyncio.to_thread(files.write_request, k, request.rows)
-            result = await self._wait_result(job, files, k, request.wait_seconds)
+        while True:
+            async with lock:
+                status = await asyncio.to_thread(job.read_status)
+                if status.terminal:
+                    raise Conflict(_ended(session_id, status), param="session_id")
+                if files.end_requested():
+                    raise Conflict(f"session {session_id} is ending", param="session_id")
+                pending = await asyncio.to_thread(files.pending)
+                if len(pending) < slots:
+                    await asyncio.to_thread(self._check_fresh, session_id, files, config, generated)
+                    k = files.next_request_index()
+                    meta = SessionRequestMeta(version=generated, accepted=time.time())
+                    await asyncio.to_thread(files.write_request, k, request.rows, meta)
+                    return SessionStepState(session_id=session_id, request=k, state="queued", accepted=meta.accepted)
+            if deadline is None:
+                raise QueueFull(
+                    f"session {session_id} has {len(pending)} steps in flight (requests {pending}), the most its "
+                    f"max_staleness {config.session_max_staleness} allows; wait for step {pending[0]} first",
+                    param="rows", retry_after=1.0,
+                )  # fmt: skip
+            if time.monotonic() >= deadline:
+                raise EngineUnavailable(f"session {session_id}: no free step slot (requests {pending} in flight)")
+            await asyncio.sleep(RESULT_POLL_SECONDS)
+
+    @staticmethod
+    def _check_fresh(session_id: str, files: SessionDir, config: TrainJobConfig, generated: int | None) -> None:
+        """Refuse at once a batch already too stale for the newest result (the trainer checks again exactly)."""
+        if generated is None or config.session_stale_policy != "refuse":
+            return
+        last = files.last_result_index()
+        result = files.read_result(last) if last else None
+        current = result.version if result is not None else 0
+        if current - generated > config.session_max_staleness:
+            raise Conflict(stale_message(session_id, generated, current, config.session_max_staleness),
+                           param="version")  # fmt: skip
+
+    async def result(self, session_id: str, k: int, wait_seconds: float) -> SessionStepResponse | None:
+        """Step k's answer once trained (None after `wait_seconds`); its error if refused or the trainer ended."""
+        job, _ = await asyncio.to_thread(self.session, session_id)
+        files = SessionDir(job)
+        result = await self._wait_result(job, files, k, wait_seconds)
+        if result is None:
+            return None
         if result.error:
-            raise InvalidRequest(f"session {session_id} step {k}: {result.error}", param="rows")
+            message = f"session {session_id} step {k}: {result.error}"
+            if result.error_type == "stale":
+                raise Conflict(message, param="version")
+            raise InvalidRequest(message, param="rows")
         version = result.version
         try:
             version = max(version, await asyncio.to_thread(self.catalog.published, session_id, result.version))
@@ -113,11 +197,13 @@ class RLSessions:
             logger.warning("session %s: step %d published but not readable yet: %s", session_id, k, e)
         return SessionStepResponse(
             session_id=session_id, model_name=session_id, step=result.step, version=version,
-            loss=result.loss, metrics=result.metrics,
+            loss=result.loss, metrics=result.metrics, request=k, generated_version=result.generated_version,
+            staleness=result.staleness,
         )  # fmt: skip
 
-    async def _wait_result(self, job: JobDir, files: SessionDir, k: int, wait_seconds: float) -> SessionStepResult:
-        """Poll for result-<k> every 20 ms; fail fast when the trainer has ended, or after `wait_seconds`."""
+    async def _wait_result(self, job: JobDir, files: SessionDir, k: int,
+                           wait_seconds: float) -> SessionStepResult | None:  # fmt: skip
+        """Poll for result-<k> every 20 ms; fail fast when the trainer has ended; None after `wait_seconds`."""
         deadline = time.monotonic() + wait_seconds
         next_status = time.monotonic() + STATUS_POLL_SECONDS
         path = files.result_path(k)
@@ -133,15 +219,12 @@ class RLSessions:
                 if status.terminal and not path.exists():
                     raise EngineUnavailable(_ended(job.job_id, status))
             if now >= deadline:
-                raise EngineUnavailable(
-                    f"session {job.job_id}: step {k} did not finish within {wait_seconds:g} s "
-                    "(the trainer is still working on it; the next step waits behind it)"
-                )
+                return None
             await asyncio.sleep(RESULT_POLL_SECONDS)
 
     async def end(self, session_id: str) -> SessionResponse:
         """Write `end`, wait briefly for the trainer to finish, cancel it if it does not."""
-        job = await asyncio.to_thread(self.session, session_id)
+        job, _ = await asyncio.to_thread(self.session, session_id)
         files = SessionDir(job)
         if not (await asyncio.to_thread(job.read_status)).terminal:
             await asyncio.to_thread(files.request_end)

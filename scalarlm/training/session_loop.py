@@ -7,7 +7,13 @@ Loop (every rank): wait for `session/request-<k>.jsonl` (ranks agree collectivel
 so a restarted (resumed) session continues where it stopped.
 
 The poll runs every 15 ms right after a step and backs off in proportion to the idle time (at most 2% of it, up
-to 0.5 s), so a client computing rewards for seconds pays little and an idle trainer costs nearly nothing. After
+to 0.5 s), so a client computing rewards for seconds pays little and an idle trainer costs nearly nothing.
+
+Staleness: a request's batch was generated with the oldest version among `meta-<k>.json`'s and its rows'
+`version`; it trains the weights at version `trainer.step`. Beyond `session_max_staleness` versions older it is
+refused (an error result of type "stale"), or with `session_stale_policy` "reweight" trained as usual, which for
+GRPO means the clipped importance ratio exp(logp - logp_sampling) against the sampling logprobs every row must
+then carry. Each step's metrics row records `generated_version`, `trained_version` and `staleness`. After
 `session_idle_seconds` (job config, from `training.session_idle_seconds`) without a request the session ends itself
 like a cancel: state saved, the last published step stays servable, CANCELLED with the idle reason; resuming the
 job continues it.
@@ -25,9 +31,9 @@ import torch
 import torch.distributed as dist
 from pydantic import ValidationError
 
-from scalarlm.checkpoint.session import SessionDir
-from scalarlm.protocol.errors import ScalarLMError
-from scalarlm.protocol.training import SessionStepResult
+from scalarlm.checkpoint.session import SessionDir, stale_message
+from scalarlm.protocol.errors import Conflict, InvalidRequest, ScalarLMError
+from scalarlm.protocol.training import SessionRequestMeta, SessionStepResult
 from scalarlm.training.data import StepBatch, _cross_doc_targets, encode_rows, pack
 from scalarlm.training.rl_step import grpo_step
 from scalarlm.training.rows import parse_row
@@ -130,25 +136,65 @@ def run_session(
         time.sleep(poll_interval(waited))
 
 
+def generated_version(rows: list[dict[str, Any]], meta: SessionRequestMeta) -> int | None:
+    """The version that generated a request's batch: the oldest of its meta's and its rows' (None: unknown)."""
+    versions = [v for v in [meta.version, *(r.get("version") for r in rows)] if isinstance(v, int)]
+    return min(versions, default=None)
+
+
+def check_staleness(trainer: "Trainer", rows: list[dict[str, Any]], generated: int | None) -> int | None:
+    """The batch's staleness against the weights about to train (`trainer.step`); Conflict beyond the bound unless
+    re-weighting applies (GRPO rows that all carry sampling logprobs), InvalidRequest for a version from the future."""
+    if generated is None:
+        return None
+    current, config = trainer.step, trainer.config
+    if generated > current:
+        raise InvalidRequest(f"batch generated with version {generated}, but the session's weights are at version "
+                             f"{current}", param="version")  # fmt: skip
+    staleness = current - generated
+    if staleness <= config.session_max_staleness:
+        return staleness
+    message = stale_message(trainer.job.job_id, generated, current, config.session_max_staleness)
+    if config.session_stale_policy == "refuse":
+        raise Conflict(message, param="version")
+    if trainer.args.loss not in ("grpo", "dr_grpo"):
+        raise Conflict(f"{message} (stale_policy 'reweight' applies to GRPO sessions only)", param="version")
+    missing = [i for i, r in enumerate(rows) if not r.get("logprobs")]
+    if missing:
+        raise Conflict(f"{message}: re-weighting needs the sampling logprobs of every row; rows {missing[:8]} "
+                       "have none", param="version")  # fmt: skip
+    return staleness
+
+
 def _serve(trainer: "Trainer", files: SessionDir, k: int, on_step: Callable[[dict[str, Any]], None]) -> None:
-    """Train on request k, publish, and write its result (an error result for a bad batch)."""
+    """Train on request k, publish, and write its result (an error result for a bad or too stale batch)."""
+    started = time.time()
+    current = trainer.step
+    generated = staleness = None
     try:
         rows = files.read_request(k) or []
+        generated = generated_version(rows, files.read_meta(k))
+        staleness = check_staleness(trainer, rows, generated)
         metrics = session_step(trainer, rows)
     except (ScalarLMError, ValidationError, ValueError, KeyError, TypeError) as e:
         logger.warning("session request %d rejected: %s", k, e)
         if trainer.par.is_main:
-            error = str(getattr(e, "message", None) or e)
-            files.write_result(k, SessionStepResult(step=trainer.step, version=trainer.step, error=error))
+            files.write_result(k, SessionStepResult(
+                step=trainer.step, version=trainer.step, error=str(getattr(e, "message", None) or e),
+                error_type="stale" if isinstance(e, Conflict) else "invalid", request=k, generated_version=generated,
+                staleness=staleness, started=started, finished=time.time(),
+            ))  # fmt: skip
         return
-    metrics["request"] = k
+    stale_limit = trainer.config.session_max_staleness
+    metrics.update(request=k, generated_version=generated, trained_version=current, staleness=staleness,
+                   reweighted=staleness is not None and staleness > stale_limit)  # fmt: skip
     on_step(metrics)
     trainer.publish(metrics["loss"])
     if trainer.par.is_main:
-        files.write_result(
-            k,
-            SessionStepResult(step=trainer.step, version=trainer.step, loss=metrics["loss"], metrics=_plain(metrics)),
-        )
+        files.write_result(k, SessionStepResult(
+            step=trainer.step, version=trainer.step, loss=metrics["loss"], metrics=_plain(metrics), request=k,
+            generated_version=generated, staleness=staleness, started=started, finished=time.time(),
+        ))  # fmt: skip
 
 
 def _plain(metrics: dict[str, Any]) -> dict[str, Any]:

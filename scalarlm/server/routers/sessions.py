@@ -1,13 +1,20 @@
-"""RL session routes: create a long-lived trainer, submit one batch per step, read it, end it."""
+"""RL session routes: create a long-lived trainer, submit one batch per step (blocking, or queued while an earlier
+step trains), read it, end it."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 
 from scalarlm.protocol.errors import EngineUnavailable
-from scalarlm.protocol.training import SessionCreateRequest, SessionResponse, SessionStepRequest, SessionStepResponse
+from scalarlm.protocol.training import (
+    SessionCreateRequest,
+    SessionResponse,
+    SessionStepRequest,
+    SessionStepResponse,
+    SessionStepState,
+)
 from scalarlm.server.sessions import RLSessions
 
 router = APIRouter(prefix="/v1/train/sessions", tags=["sessions"])
@@ -33,6 +40,19 @@ def create_session(body: SessionCreateRequest, sessions: SessionsDep) -> Session
 async def step_session(session_id: str, body: SessionStepRequest, sessions: SessionsDep) -> SessionStepResponse:
     """One optimizer step on these rows; answers once the new weights are published, with their version."""
     return await sessions.step(session_id, body)
+
+
+@router.post("/{session_id}/steps", response_model=SessionStepState)
+async def submit_step(session_id: str, body: SessionStepRequest, sessions: SessionsDep) -> SessionStepState:
+    """Queue one step and answer at once with its request index (it trains after the steps before it)."""
+    return await sessions.submit(session_id, body)
+
+
+@router.get("/{session_id}/steps/{request}", response_model=SessionStepState)
+async def get_step(session_id: str, request: int, sessions: SessionsDep,
+                   wait_seconds: float = Query(0.0, ge=0, le=600)) -> SessionStepState:  # fmt: skip
+    """A queued step: "trained" with its answer, or "queued" after waiting up to `wait_seconds`; its error if refused."""
+    return await sessions.state(session_id, request, wait_seconds)
 
 
 @router.get("/{session_id}", response_model=SessionResponse)
