@@ -68,3 +68,20 @@ def test_publish_keeps_source_dtypes_and_shards(sharded, tmp_path: Path) -> None
     assert [p.name for p in single.glob("*.safetensors")] == ["model.safetensors"]
     assert set(hf_io.source_dtypes(single).values()) == {torch.float32}
     assert json.loads((single / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_publish_keeps_base_names_no_rule_produces(tmp_path: Path) -> None:
+    """A tied model's saved lm_head is the trained embedding; derived RoPE buffers are copied as they were."""
+    from scalarlm.training.export import keep_source_names
+
+    embed = torch.randn(6, 4)
+    inv_freq = torch.arange(2, dtype=torch.float32)
+    base = {"model.embed_tokens.weight": embed, "lm_head.weight": embed.clone(),
+            "model.layers.0.self_attn.rotary_emb.inv_freq": inv_freq}  # fmt: skip
+    hf_io.save_safetensors(tmp_path, base)
+    trained = {"model.embed_tokens.weight": embed + 1}
+    out = keep_source_names(trained, tmp_path, tied=True)
+    assert set(out) == set(base)
+    assert torch.equal(out["lm_head.weight"], embed + 1) and out["lm_head.weight"].data_ptr() != embed.data_ptr()
+    assert torch.equal(out["model.layers.0.self_attn.rotary_emb.inv_freq"], inv_freq)
+    assert keep_source_names(trained, tmp_path, tied=False).keys() == set(base) - {"lm_head.weight"}
