@@ -29,6 +29,9 @@ class ServerSettings(BaseModel):
     api_keys: list[str] = Field(default_factory=list)
     # One key a line: `<key> [scope1,scope2] [max_queued=N] [max_jobs=M]` (see server/auth.py).
     api_keys_file: Path | None = None
+    # Split mode: the key between the control plane and its workers (a mounted Secret file); None: the one on the
+    # shared volume, `$SCALARLM_HOME/internal/worker.key`, created by whichever starts first.
+    worker_key_file: Path | None = None
     allow_insecure_public: bool = False
     # SIGTERM: answer new requests 503 while in-flight ones finish, for at most this long, then exit.
     shutdown_seconds: float = Field(30.0, gt=0)
@@ -193,6 +196,7 @@ _SHORTCUTS = {
     "SCALARLM_PORT": ("server", "port"),
     "SCALARLM_API_KEYS": ("server", "api_keys"),
     "SCALARLM_API_KEYS_FILE": ("server", "api_keys_file"),
+    "SCALARLM_WORKER_KEY_FILE": ("server", "worker_key_file"),
     "SCALARLM_MAX_MODEL_LEN": ("engine", "max_model_len"),
     "SCALARLM_DTYPE": ("engine", "dtype"),
     "SCALARLM_MAX_NUM_SEQS": ("engine", "max_num_seqs"),

@@ -7,6 +7,8 @@ runs the engine and the pull loop against the control plane's queue over HTTP.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -17,6 +19,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from scalarlm.checkpoint.keys import worker_key
 from scalarlm.config import Settings
 from scalarlm.inference.http_source import HttpWorkSource
 from scalarlm.inference.worker import InProcessWorker
@@ -41,6 +44,37 @@ def _bad_json(message: str) -> JSONResponse:
     """vLLM's error body for a request that is not a JSON object."""
     return JSONResponse({"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}},
                         status_code=400)
+
+
+class WorkerKeyGuard:
+    """ASGI middleware: every route but /health needs the worker key (the control plane's requests carry it).
+
+    Plain ASGI, not Starlette's BaseHTTPMiddleware, so streamed responses pass through untouched.
+    """
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app = app
+        self.expected = hashlib.sha256(key.encode()).digest()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health" and not self._authorized(scope):
+            await _unauthorized()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: dict[str, Any]) -> bool:
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), b"").decode("latin-1")
+        scheme, _, token = header.partition(" ")
+        presented = hashlib.sha256(token.strip().encode()).digest()
+        return scheme.lower() == "bearer" and hmac.compare_digest(presented, self.expected)
+
+
+def _unauthorized() -> JSONResponse:
+    """401 in the OpenAI error shape, naming what to send."""
+    message = ("this worker answers only its control plane: send 'Authorization: Bearer <worker key>' "
+               "(server.worker_key_file, or $SCALARLM_HOME/internal/worker.key)")
+    return JSONResponse({"error": {"message": message, "type": "authentication_error", "param": "authorization",
+                                   "code": 401}}, status_code=401)  # fmt: skip
 
 
 def requested_model(header: str | None, settings: Settings) -> ModelVersion | None:
@@ -68,10 +102,11 @@ def create_worker_app(settings: Settings, worker: InProcessWorker | None = None)
     """The worker's FastAPI app; the engine starts in its lifespan and pulls from `settings.server.api_url`."""
     worker = worker or InProcessWorker(settings)
 
+    key = worker_key(settings.home, settings.server.worker_key_file)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        api_key = settings.server.api_keys[0] if settings.server.api_keys else None
-        source = HttpWorkSource(settings.server.api_url, api_key)
+        source = HttpWorkSource(settings.server.api_url, key)
         await worker.start(source)
         try:
             yield
@@ -81,6 +116,7 @@ def create_worker_app(settings: Settings, worker: InProcessWorker | None = None)
 
     app = FastAPI(title="scalarlm worker", lifespan=lifespan)
     app.state.worker = worker
+    app.add_middleware(WorkerKeyGuard, key=key)
 
     async def forward(route: OpenAIRoute, request: Request) -> Response:
         try:

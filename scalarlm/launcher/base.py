@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import socket
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,6 +13,7 @@ from pydantic import BaseModel, Field
 
 from scalarlm.checkpoint import JobDir
 from scalarlm.checkpoint.jobdir import atomic_write_text
+from scalarlm.checkpoint.keys import NOTIFY_KEY_FILE, shared_key
 from scalarlm.config import ServerSettings, Settings
 from scalarlm.protocol.training import TrainJobConfig
 
@@ -124,7 +124,6 @@ def log_path(job: JobDir) -> Path:
 NOTIFY_ENV = "SCALARLM_NOTIFY_URL"
 # The control plane's internal notify key: the trainer's only credential, valid on /v1/internal/published alone.
 NOTIFY_KEY_ENV = "SCALARLM_NOTIFY_KEY"
-NOTIFY_KEY_FILE = Path("internal") / "notify.key"
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 _DEFAULT_API_URL = ServerSettings.model_fields["api_url"].default
 
@@ -151,25 +150,6 @@ def notify_url(settings: Settings, *, remote: bool = False) -> str | None:
 
 
 def notify_key(home: Path) -> str:
-    """The internal notify key in `home/internal/notify.key`: created once (0600 in a 0700 directory), then reused,
-    so trainers launched before a restart of the control plane still authenticate."""
-    path = home / NOTIFY_KEY_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    os.chmod(path.parent, 0o700)
-    if not path.exists():
-        # Write a private temp file, then link it into place: a reader never sees an empty key, and of two
-        # processes creating it at once, one key wins and both return it.
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_urlsafe(32) + "\n")
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                pass
-        finally:
-            tmp.unlink(missing_ok=True)
-    if path.stat().st_mode & 0o077:
-        os.chmod(path, 0o600)
-    return path.read_text().strip()
+    """The internal notify key in `home/internal/notify.key`: created once, then reused, so trainers launched before
+    a restart of the control plane still authenticate."""
+    return shared_key(home / NOTIFY_KEY_FILE)

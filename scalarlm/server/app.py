@@ -27,6 +27,7 @@ from scalarlm.server.models import ModelCatalog
 from scalarlm.server.prompt_check import PromptChecker
 from scalarlm.server.remote_backend import RemoteBackend
 from scalarlm.server.jobs import TrainingJobs
+from scalarlm.checkpoint.keys import worker_key
 from scalarlm.launcher.base import notify_key
 from scalarlm.server.limits import KeyUsage
 from scalarlm.server.shutdown import Drain, DrainMiddleware
@@ -57,8 +58,11 @@ def create_app(settings: Settings, worker: EmbeddedWorker | None = None) -> Fast
     app.state.server = state
     app.state.training = TrainingJobs(settings)
     app.state.sessions = RLSessions(app.state.training, state.catalog)
-    # Trainers announce published steps with the internal notify key the launchers hand them.
-    app.state.keys = KeyRing.load(settings.server.api_keys, settings.server.api_keys_file, notify_key(settings.home))
+    # Trainers announce published steps with the internal notify key the launchers hand them; split-mode workers
+    # (no in-process worker) lease work with the worker key, which this app also presents to them.
+    state.worker_key = worker_key(settings.home, settings.server.worker_key_file) if worker is None else None
+    app.state.keys = KeyRing.load(settings.server.api_keys, settings.server.api_keys_file, notify_key(settings.home),
+                                  state.worker_key)
     app.state.usage = KeyUsage()
     app.state.drain = Drain()
     install_error_handlers(app)
@@ -103,7 +107,8 @@ async def _running(state: ServerState, worker: EmbeddedWorker | None) -> AsyncIt
             worker_started = True
             state.backend = worker.backend
         elif settings.server.worker_urls:
-            remote = RemoteBackend(settings.server.worker_urls, default_max_num_seqs=settings.engine.max_num_seqs)
+            remote = RemoteBackend(settings.server.worker_urls, default_max_num_seqs=settings.engine.max_num_seqs,
+                                   api_key=state.worker_key)
             await remote.start()
             state.backend = remote
         state.backend_started = True

@@ -8,8 +8,12 @@ from `server.api_keys_file`, one key a line: `<key> [scope1,scope2] [max_queued=
 compared digest to digest with `hmac.compare_digest` against every configured key (constant time).
 
 Scopes: `generate` (batch queue and OpenAI routes), `train` (/v1/megatron/*, /v1/train), `admin`
-(clear_queue, and the worker routes get_work/finish_work: a worker key is an operator's key, since a
-worker sees every prompt and writes every result).
+(clear_queue, and the worker routes get_work/finish_work: an operator key may run a worker, since a worker
+sees every prompt and writes every result).
+
+Split-mode workers present the worker key (`checkpoint.keys.worker_key`: a mounted Secret file or
+`$SCALARLM_HOME/internal/worker.key`), which holds only the `worker` scope: get_work and finish_work, nothing
+else. Like the notify key, it is checked only when operator keys are configured.
 
 The control plane's own internal notify key (`$SCALARLM_HOME/internal/notify.key`, handed by the launchers to
 the trainers they start) holds only the `internal` scope, valid on /v1/internal/published alone; an `admin`
@@ -33,9 +37,12 @@ logger = logging.getLogger(__name__)
 SCOPES = frozenset({"generate", "train", "admin"})
 # The trainer's scope: announce published steps, nothing else. An admin key holds it implicitly.
 INTERNAL_SCOPE = "internal"
+# A split-mode worker's scope: lease work and post results, nothing else. An admin key holds it implicitly.
+WORKER_SCOPE = "worker"
 
 # Routes (by their path template) needing a scope other than the one their prefix implies.
-_ADMIN_ROUTES = frozenset({"/v1/generate/clear_queue", "/v1/generate/get_work", "/v1/generate/finish_work"})
+_ADMIN_ROUTES = frozenset({"/v1/generate/clear_queue"})
+_WORKER_ROUTES = frozenset({"/v1/generate/get_work", "/v1/generate/finish_work"})
 _INTERNAL_ROUTES = frozenset({"/v1/internal/published"})
 
 
@@ -57,8 +64,8 @@ class ApiKey:
         return self.digest.hex()[:12]
 
     def allows(self, scope: str) -> bool:
-        """True when the key holds `scope` (an admin key also holds `internal`)."""
-        return scope in self.scopes or (scope == INTERNAL_SCOPE and "admin" in self.scopes)
+        """True when the key holds `scope` (an admin key also holds `internal` and `worker`)."""
+        return scope in self.scopes or (scope in (INTERNAL_SCOPE, WORKER_SCOPE) and "admin" in self.scopes)
 
 
 def digest(key: str) -> bytes:
@@ -91,14 +98,17 @@ def parse_key_line(line: str) -> ApiKey | None:
 class KeyRing:
     """The configured keys, as digests; no operator key means authentication is off."""
 
-    def __init__(self, keys: list[ApiKey], internal_key: str | None = None) -> None:
+    def __init__(self, keys: list[ApiKey], internal_key: str | None = None, worker_key: str | None = None) -> None:
         self.keys = keys
-        # Checked only when operator keys are configured: on its own it never turns authentication on.
-        self.internal = ApiKey(digest(internal_key), frozenset({INTERNAL_SCOPE})) if internal_key else None
+        # Checked only when operator keys are configured: on their own they never turn authentication on.
+        self.internal = [ApiKey(digest(k), frozenset({scope}))
+                         for k, scope in ((internal_key, INTERNAL_SCOPE), (worker_key, WORKER_SCOPE)) if k]  # fmt: skip
 
     @classmethod
-    def load(cls, api_keys: list[str], keys_file: Path | None, internal_key: str | None = None) -> "KeyRing":
-        """Keys from the settings list (full scope), the keys file (scoped, with limits) and the internal notify key."""
+    def load(cls, api_keys: list[str], keys_file: Path | None, internal_key: str | None = None,
+             worker_key: str | None = None) -> "KeyRing":
+        """Keys from the settings list (full scope), the keys file (scoped, with limits), the internal notify key
+        and the split-mode worker key."""
         keys = [ApiKey(digest(k), SCOPES) for k in api_keys if k]
         if keys_file is not None:
             for number, line in enumerate(keys_file.read_text().splitlines(), 1):
@@ -108,7 +118,7 @@ class KeyRing:
                     raise KeyFileError(f"{keys_file}:{number}: {e}") from None
                 if parsed is not None:
                     keys.append(parsed)
-        return cls(keys, internal_key)
+        return cls(keys, internal_key, worker_key)
 
     @property
     def enabled(self) -> bool:
@@ -118,7 +128,7 @@ class KeyRing:
         """The key whose digest equals the token's; every key is compared, so timing reveals nothing."""
         presented = digest(token)
         found = None
-        for key in [*self.keys, *([self.internal] if self.internal else [])]:
+        for key in [*self.keys, *self.internal]:
             if hmac.compare_digest(presented, key.digest):
                 found = key
         return found
@@ -130,6 +140,8 @@ def required_scope(path_template: str) -> str:
         return INTERNAL_SCOPE
     if path_template in _ADMIN_ROUTES:
         return "admin"
+    if path_template in _WORKER_ROUTES:
+        return WORKER_SCOPE
     if path_template.startswith(("/v1/megatron", "/v1/train")):
         return "train"
     return "generate"

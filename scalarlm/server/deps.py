@@ -29,6 +29,8 @@ class ServerState:
     prompts: PromptChecker | None = None
     backend: InferenceBackend | None = None
     backend_started: bool = False
+    # Split mode: the key workers present to the queue's worker routes and this app presents to every worker.
+    worker_key: str | None = None
 
 
 def get_state(request: Request) -> ServerState:

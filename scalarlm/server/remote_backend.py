@@ -34,11 +34,14 @@ class RemoteBackend:
         default_max_num_seqs: int = 256,
         refresh_seconds: float = 0.5,
         transport: httpx.AsyncBaseTransport | None = None,
+        api_key: str | None = None,
     ) -> None:
+        """`api_key`: the worker key, sent as `Authorization: Bearer` on every request to a worker."""
         self.urls = [u.rstrip("/") for u in worker_urls]
         self.default_max_num_seqs = default_max_num_seqs
         self.refresh_seconds = refresh_seconds
-        self.client = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(None, connect=10.0))
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(None, connect=10.0), headers=headers)
         self._loads: dict[str, EngineLoad | None] = {u: None for u in self.urls}
         self._task: asyncio.Task[None] | None = None
         self._turn = 0

@@ -56,8 +56,9 @@ async def split(vllm_engine: Any, inference_settings: Any, tmp_path: Any) -> Asy
     worker, worker_task = await _serve(worker_app, worker_port)
     await asyncio.sleep(0.5)
     control, control_task = await _serve(create_app(settings), api_port)
+    key = (tmp_path / "internal" / "worker.key").read_text().strip()  # made by the first of the two to start
     try:
-        yield {"api": api_url, "worker": worker_url}
+        yield {"api": api_url, "worker": worker_url, "key": key}
     finally:
         worker.should_exit = True
         await worker_task
@@ -66,10 +67,11 @@ async def split(vllm_engine: Any, inference_settings: Any, tmp_path: Any) -> Asy
 
 
 async def test_batch_and_openai_through_split_mode(split: dict[str, str], vllm_engine: Any) -> None:
+    auth = {"Authorization": f"Bearer {split['key']}"}
     async with httpx.AsyncClient(timeout=120) as client:
         health = await client.get(f"{split['worker']}/health")
         assert health.status_code == 200
-        load = (await client.get(f"{split['worker']}/load")).json()
+        load = (await client.get(f"{split['worker']}/load", headers=auth)).json()
         assert load["max_num_seqs"] == 128
 
         prompts = [f"Tell me about {i}" for i in range(20)]
@@ -83,13 +85,13 @@ async def test_batch_and_openai_through_split_mode(split: dict[str, str], vllm_e
 
         # Interactive requests: the control plane forwards to the worker's OpenAI routes.
         chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
-        direct = await client.post(f"{split['worker']}/v1/chat/completions", json=chat)
+        direct = await client.post(f"{split['worker']}/v1/chat/completions", json=chat, headers=auth)
         forwarded = await client.post(f"{split['api']}/v1/chat/completions", json=chat)
         assert direct.status_code == forwarded.status_code == 200
         assert forwarded.json()["choices"][0]["message"] == direct.json()["choices"][0]["message"]
         assert forwarded.json()["system_fingerprint"] == "scalarlm-tiny-v0"
 
-        async with client.stream("POST", f"{split['worker']}/v1/completions",
+        async with client.stream("POST", f"{split['worker']}/v1/completions", headers=auth,
                                  json={"model": "tiny", "prompt": "hi", "max_tokens": 3, "stream": True}) as resp:
             assert resp.headers["content-type"].startswith("text/event-stream")
             raw = (await resp.aread()).decode()
@@ -97,9 +99,9 @@ async def test_batch_and_openai_through_split_mode(split: dict[str, str], vllm_e
         assert events[-1] == "data: [DONE]"
         assert all(json.loads(e[6:])["scalarlm_version"] == 0 for e in events[:-1])
 
-        bad = await client.post(f"{split['worker']}/v1/completions", content=b"{not json")
+        bad = await client.post(f"{split['worker']}/v1/completions", content=b"{not json", headers=auth)
         assert bad.status_code == 400 and "error" in bad.json()
-        models = (await client.get(f"{split['worker']}/v1/models")).json()
+        models = (await client.get(f"{split['worker']}/v1/models", headers=auth)).json()
         assert [m["id"] for m in models["data"]] == ["tiny"]
     assert vllm_engine.load.in_flight == 0
 
@@ -137,7 +139,8 @@ async def test_a_published_model_answers_through_the_api_before_any_batch_names_
             # The worker loads only checkpoints inside the jobs directory it shares with the API.
             outside = {"name": "job-x", "version": 1, "kind": "full", "path": str(source)}
             refused = await client.post(f"{split['worker']}/v1/completions", json={**body, "model": "job-x"},
-                                        headers={"X-ScalarLM-Model": json.dumps(outside)})  # fmt: skip
+                                        headers={"X-ScalarLM-Model": json.dumps(outside),
+                                                 "Authorization": f"Bearer {split['key']}"})  # fmt: skip
         finally:
             await client.post(f"{split['api']}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1})
     assert reply.status_code == 200, reply.text
@@ -146,3 +149,18 @@ async def test_a_published_model_answers_through_the_api_before_any_batch_names_
     events = [json.loads(e[6:]) for e in raw.split("\n\n") if e and e != "data: [DONE]"]
     assert {(e["model"], e["scalarlm_version"]) for e in events} == {("job-split", 3)}
     assert refused.status_code == 400 and "outside this worker's jobs directory" in refused.json()["error"]["message"]
+
+
+async def test_a_worker_answers_only_its_control_plane(split: dict[str, str]) -> None:
+    """Without the worker key (or with another) every worker route but /health is 401; the key is in no URL."""
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    async with httpx.AsyncClient(timeout=60) as client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": split["key"]}):
+            for method, path in (("GET", "/load"), ("GET", "/v1/models"), ("POST", "/v1/completions"),
+                                 ("POST", "/v1/chat/completions")):  # fmt: skip
+                resp = await client.request(method, f"{split['worker']}{path}", json=body, headers=headers)
+                assert resp.status_code == 401, (path, headers, resp.text)
+                assert resp.json()["error"]["type"] == "authentication_error"
+        assert (await client.get(f"{split['worker']}/health")).status_code == 200
+        forwarded = await client.post(f"{split['api']}/v1/completions", json=body)  # the API presents the key
+        assert forwarded.status_code == 200, forwarded.text

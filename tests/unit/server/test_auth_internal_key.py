@@ -53,3 +53,41 @@ async def test_internal_key_alone_does_not_turn_authentication_on(running_app, t
 def test_keys_file_cannot_grant_the_internal_scope() -> None:
     with pytest.raises(KeyFileError, match="unknown scope"):
         parse_key_line("some-key internal")
+
+
+async def test_worker_key_only_leases_and_posts_work(running_app, tmp_path) -> None:
+    """A split-mode control plane (no in-process worker) accepts its worker key on get_work/finish_work only."""
+    from scalarlm.checkpoint.keys import worker_key
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("gen-key generate\nadmin-key admin\n")
+    async with running_app(server={"api_keys_file": str(keys), "role": "api"}) as client:
+        key = worker_key(tmp_path / "home", None)  # the one the control plane created on start
+        bearer = {"authorization": f"Bearer {key}"}
+        work = {"worker_id": "w1", "capacity": 1}
+        assert (await client.post("/v1/generate/get_work", json=work, headers=bearer)).status_code == 200
+        finish = await client.post("/v1/generate/finish_work", json={"worker_id": "w1", "results": []}, headers=bearer)
+        assert finish.status_code == 200, finish.text
+        admin = {"authorization": "Bearer admin-key"}
+        assert (await client.post("/v1/generate/get_work", json=work, headers=admin)).status_code == 200
+        gen = {"authorization": "Bearer gen-key"}
+        assert (await client.post("/v1/generate/get_work", json=work, headers=gen)).status_code == 403
+        for method, path, body in (("POST", "/v1/generate", {"prompts": ["a"]}),
+                                   ("POST", "/v1/generate/clear_queue", None),
+                                   ("GET", "/v1/megatron/list_models", None),
+                                   ("POST", "/v1/internal/published", NOTICE)):  # fmt: skip
+            reply = await client.request(method, path, json=body, headers=bearer)
+            assert reply.status_code == 403, (path, reply.status_code, reply.text)
+    assert oct((tmp_path / "home" / "internal" / "worker.key").stat().st_mode & 0o777) == "0o600"
+
+
+def test_worker_key_from_a_mounted_file_wins(tmp_path) -> None:
+    from scalarlm.checkpoint.keys import worker_key
+
+    mounted = tmp_path / "secret"
+    mounted.write_text("from-the-secret\n")
+    assert worker_key(tmp_path / "home", mounted) == "from-the-secret"
+    assert not (tmp_path / "home" / "internal" / "worker.key").exists()
+    mounted.write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        worker_key(tmp_path / "home", mounted)
