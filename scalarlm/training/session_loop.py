@@ -142,18 +142,17 @@ def generated_version(rows: list[dict[str, Any]], meta: SessionRequestMeta) -> i
     return min(versions, default=None)
 
 
-def check_staleness(trainer: "Trainer", rows: list[dict[str, Any]], generated: int | None) -> int | None:
-    """The batch's staleness against the weights about to train (`trainer.step`); Conflict beyond the bound unless
-    re-weighting applies (GRPO rows that all carry sampling logprobs), InvalidRequest for a version from the future."""
+def check_staleness(trainer: "Trainer", rows: list[dict[str, Any]], generated: int | None) -> None:
+    """Refuse a batch beyond the staleness bound of the weights about to train (`trainer.step`): Conflict, unless
+    re-weighting applies (GRPO rows that all carry sampling logprobs); InvalidRequest for a version from the future."""
     if generated is None:
-        return None
+        return
     current, config = trainer.step, trainer.config
     if generated > current:
         raise InvalidRequest(f"batch generated with version {generated}, but the session's weights are at version "
                              f"{current}", param="version")  # fmt: skip
-    staleness = current - generated
-    if staleness <= config.session_max_staleness:
-        return staleness
+    if current - generated <= config.session_max_staleness:
+        return
     message = stale_message(trainer.job.job_id, generated, current, config.session_max_staleness)
     if config.session_stale_policy == "refuse":
         raise Conflict(message, param="version")
@@ -163,7 +162,6 @@ def check_staleness(trainer: "Trainer", rows: list[dict[str, Any]], generated: i
     if missing:
         raise Conflict(f"{message}: re-weighting needs the sampling logprobs of every row; rows {missing[:8]} "
                        "have none", param="version")  # fmt: skip
-    return staleness
 
 
 def _serve(trainer: "Trainer", files: SessionDir, k: int, on_step: Callable[[dict[str, Any]], None]) -> None:
@@ -174,7 +172,8 @@ def _serve(trainer: "Trainer", files: SessionDir, k: int, on_step: Callable[[dic
     try:
         rows = files.read_request(k) or []
         generated = generated_version(rows, files.read_meta(k))
-        staleness = check_staleness(trainer, rows, generated)
+        staleness = None if generated is None else current - generated
+        check_staleness(trainer, rows, generated)
         metrics = session_step(trainer, rows)
     except (ScalarLMError, ValidationError, ValueError, KeyError, TypeError) as e:
         logger.warning("session request %d rejected: %s", k, e)
