@@ -184,7 +184,10 @@ def test_helm_image_tags_name_this_release():
     assert accelerators == {"values-cuda.yaml": f"{version}-cuda", "values-mi300x.yaml": f"{version}-rocm"}
 
 
-def test_docs_name_the_same_releases():
-    deploy = (REPO / "docs" / "deploy.md").read_text()
-    for text in (f"vLLM {VLLM}", f"megatron-core {MEGATRON}", f"torch {TORCH}"):
-        assert text in deploy, text
+@pytest.mark.parametrize("doc", ["docs/deploy.md", "README.md"])
+def test_docs_name_the_same_releases(doc):
+    text = (REPO / doc).read_text()
+    for want in (f"vLLM {VLLM}", f"megatron-core {MEGATRON}", f"torch {TORCH}"):
+        assert want in text, want
+    named = set(re.findall(r"megatron-core[ =]+([0-9][\w.]*)", text)) | set(re.findall(r"vLLM ([0-9][\w.]*)", text))
+    assert named <= {VLLM, MEGATRON}, f"{doc} names other releases: {named}"
