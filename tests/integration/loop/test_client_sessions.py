@@ -1,22 +1,28 @@
 """`llm.rl_session()` through the sync and async clients against a control plane listening on a real port.
 
 The trainer is the stand-in of session_standin.py (see test_session_routes.py): what is under test is the
-client: create, step -> version, `last` loss/metrics, typed errors, and the context manager ending it.
+client: create, step -> version, `last` loss/metrics, typed errors, the context manager ending it, and `submit()`:
+a step queued while the previous one trains (the order read back from the session files), futures, the bound on
+steps in flight and the refusal of a batch already too stale.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 
+from scalarlm.checkpoint import JobDir
+from scalarlm.checkpoint.session import SessionDir
 from scalarlm.client import AsyncScalarLM, ScalarLM
-from scalarlm.client.rl import describe_flow
-from scalarlm.protocol.errors import InvalidRequest, NotFound
+from scalarlm.client.rl import describe_flow, step_state_flow
+from scalarlm.protocol.errors import Conflict, InvalidRequest, NotFound, QueueFull
+from scalarlm.protocol.training import SessionStepResponse
 from scalarlm.server.app import create_app
 from test_session_routes import RL_ROWS, use_standin_in
 
@@ -69,3 +75,55 @@ async def test_async_and_sync_sessions(api_url: str) -> None:
     assert await asyncio.to_thread(sync_loop) == ([1, 2], "COMPLETED")
     with pytest.raises(NotFound):
         await llm._run(describe_flow("session-nope"))
+
+
+SLOW_ROWS = [{"prompt": "3+4=", "completion": "slow", "reward": 1.0}, *RL_ROWS]
+
+
+def _session_files(home: Path, session_id: str) -> SessionDir:
+    return SessionDir(JobDir(home / "jobs" / session_id))
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_submit_queues_the_next_step_while_one_trains(api_url: str, tmp_path: Path) -> None:
+    def sync_loop() -> tuple[str, list[SessionStepResponse]]:
+        with ScalarLM(api_url) as client, client.rl_session() as s:
+            assert (s.max_staleness, s.stale_policy) == (1, "refuse")
+            first = s.submit(SLOW_ROWS, version=0)
+            while s.info().status != "RUNNING":
+                time.sleep(0.05)
+            time.sleep(0.3)  # the stand-in is inside step 1 (a 1 s step) now
+            second = s.submit(RL_ROWS, version=0)
+            assert not first.done()
+            with pytest.raises(QueueFull, match="2 steps in flight"):
+                s.submit(RL_ROWS, version=0)
+            answers = [first.result(), second.result()]
+            assert s.version == 2 and s.last == answers[1]
+            with pytest.raises(Conflict, match="generated with version 0 is 2 versions older than the weights at "
+                                               "version 2"):  # fmt: skip
+                s.submit(RL_ROWS, version=0)
+            with pytest.raises(NotFound):
+                s._run(step_state_flow(s.id, 9, 0.0))
+            return s.id, answers
+
+    session_id, (one, two) = await asyncio.to_thread(sync_loop)
+    assert [(a.request, a.version, a.generated_version) for a in (one, two)] == [(1, 1, 0), (2, 2, 0)]
+    files = _session_files(tmp_path / "home", session_id)
+    first, second = files.read_result(1), files.read_result(2)
+    accepted = files.read_meta(2).accepted
+    assert first.started < accepted < first.finished <= second.started  # accepted while step 1 trained
+    assert files.request_path(2).stat().st_mtime < files.result_path(1).stat().st_mtime
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_async_submit_and_a_synchronous_session(api_url: str) -> None:
+    llm = AsyncScalarLM(api_url)
+    async with await llm.rl_session(max_staleness=0) as session:
+        future = await session.submit(SLOW_ROWS)
+        with pytest.raises(QueueFull, match="max_staleness 0"):  # one step in flight: a synchronous loop
+            await session.submit(RL_ROWS)
+        answer = await future
+        assert (answer.version, answer.request, await future.done()) == (1, 1, True)
+        assert await session.step(RL_ROWS, version=1) == 2  # the blocking step waits for a free slot
+        assert session.last is not None and session.last.generated_version == 1
+    assert (await session.info()).max_staleness == 0
