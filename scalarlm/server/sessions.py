@@ -223,16 +223,20 @@ class RLSessions:
             await asyncio.sleep(RESULT_POLL_SECONDS)
 
     async def end(self, session_id: str) -> SessionResponse:
-        """Write `end`, wait briefly for the trainer to finish, cancel it if it does not."""
+        """Write `end`; the trainer answers its queued steps first. Cancel it if it goes `END_WAIT_SECONDS` without
+        finishing a step or exiting."""
         job, _ = await asyncio.to_thread(self.session, session_id)
         files = SessionDir(job)
         if not (await asyncio.to_thread(job.read_status)).terminal:
             await asyncio.to_thread(files.request_end)
             deadline = time.monotonic() + END_WAIT_SECONDS
+            answered = await asyncio.to_thread(files.last_result_index)
             while time.monotonic() < deadline:
                 if (await asyncio.to_thread(job.read_status)).terminal:
                     break
                 await asyncio.sleep(0.1)
+                if (latest := await asyncio.to_thread(files.last_result_index)) > answered:
+                    answered, deadline = latest, time.monotonic() + END_WAIT_SECONDS  # still working through the queue
             else:
                 logger.warning("session %s: no exit %.0f s after `end`; cancelling", session_id, END_WAIT_SECONDS)
                 await asyncio.to_thread(self.jobs.cancel, session_id)
