@@ -87,6 +87,12 @@ class SessionDir:
         return self.end_path.exists()
 
 
+def batch_version(version: int | None, rows: list[dict[str, Any]]) -> int | None:
+    """The version that generated a batch: the oldest of the request's `version` and its rows' (None: unknown)."""
+    versions = [v for v in [version, *(r.get("version") for r in rows)] if isinstance(v, int)]
+    return min(versions, default=None)
+
+
 def stale_message(session_id: str, generated: int, current: int, max_staleness: int) -> str:
     """The refusal of a batch generated with version `generated` for weights at version `current` (409)."""
     return (f"session {session_id}: batch generated with version {generated} is {current - generated} versions "

@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from scalarlm.checkpoint import JobDir
-from scalarlm.checkpoint.session import SessionDir, stale_message
+from scalarlm.checkpoint.session import SessionDir, batch_version, stale_message
 from scalarlm.protocol.errors import Conflict, EngineUnavailable, InvalidRequest, NotFound, QueueFull, ScalarLMError
 from scalarlm.protocol.training import (
     JobStatus,
@@ -46,12 +46,6 @@ END_WAIT_SECONDS = 10.0
 def check_row(index: int, row: dict[str, Any]) -> None:
     """A scored RL row (`reward` present) or an SFT row (input/output, prompt/completion, messages)."""
     check_step_row(index, row)
-
-
-def batch_version(request: SessionStepRequest) -> int | None:
-    """The version that generated the batch: the oldest of the request's `version` and its rows' (None: unknown)."""
-    versions = [v for v in [request.version, *(r.get("version") for r in request.rows)] if isinstance(v, int)]
-    return min(versions, default=None)
 
 
 class RLSessions:
@@ -139,7 +133,7 @@ class RLSessions:
             check_row(i, row)
         job, config = await asyncio.to_thread(self.session, session_id)
         files = SessionDir(job)
-        generated = batch_version(request)
+        generated = batch_version(request.version, request.rows)
         slots = config.session_max_staleness + 1
         lock = self._step_locks.setdefault(session_id, asyncio.Lock())
         while True:

@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from pydantic import ValidationError
 
-from scalarlm.checkpoint.session import SessionDir, stale_message
+from scalarlm.checkpoint.session import SessionDir, batch_version, stale_message
 from scalarlm.protocol.errors import Conflict, InvalidRequest, ScalarLMError
-from scalarlm.protocol.training import SessionRequestMeta, SessionStepResult
+from scalarlm.protocol.training import SessionStepResult
 from scalarlm.training.data import StepBatch, _cross_doc_targets, encode_rows, pack
 from scalarlm.training.rl_step import grpo_step
 from scalarlm.training.rows import parse_row
@@ -136,12 +136,6 @@ def run_session(
         time.sleep(poll_interval(waited))
 
 
-def generated_version(rows: list[dict[str, Any]], meta: SessionRequestMeta) -> int | None:
-    """The version that generated a request's batch: the oldest of its meta's and its rows' (None: unknown)."""
-    versions = [v for v in [meta.version, *(r.get("version") for r in rows)] if isinstance(v, int)]
-    return min(versions, default=None)
-
-
 def check_staleness(trainer: "Trainer", rows: list[dict[str, Any]], generated: int | None) -> None:
     """Refuse a batch beyond the staleness bound of the weights about to train (`trainer.step`): Conflict, unless
     re-weighting applies (GRPO rows that all carry sampling logprobs); InvalidRequest for a version from the future."""
@@ -171,7 +165,7 @@ def _serve(trainer: "Trainer", files: SessionDir, k: int, on_step: Callable[[dic
     generated = staleness = None
     try:
         rows = files.read_request(k) or []
-        generated = generated_version(rows, files.read_meta(k))
+        generated = batch_version(files.read_meta(k).version, rows)
         staleness = None if generated is None else current - generated
         check_staleness(trainer, rows, generated)
         metrics = session_step(trainer, rows)
