@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 
 need_apt=()
 command -v mpirun >/dev/null 2>&1 || need_apt+=(openmpi-bin libopenmpi-dev)
+command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)  # network namespaces of the split-cluster tests
 if ((${#need_apt[@]})); then
   if [ "$(id -u)" = 0 ]; then
     echo "install: apt-get ${need_apt[*]}"

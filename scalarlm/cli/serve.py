@@ -35,6 +35,8 @@ def check_exposure(settings: Settings) -> None:
     server = settings.server
     if is_loopback(server.host) or server.api_keys or server.api_keys_file or server.allow_insecure_public:
         return
+    if server.role == "worker":
+        return  # every route of a worker but /health needs the worker key (inference/worker_app.py)
     raise InsecureExposure(
         f"refusing to listen on {server.host} without API keys: anyone who can reach this port could use "
         "and retrain the model. Set SCALARLM_API_KEYS=key1,key2 (clients send `Authorization: Bearer key1`), "

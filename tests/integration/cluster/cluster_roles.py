@@ -1,0 +1,109 @@
+"""The roles of the namespaced split cluster (see conftest.py): start, kill, read the shared queue, run the client.
+
+A helper module with a name unique in the suite, imported by conftest.py and the cluster tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from netns_hosts import Hosts
+
+HERE = Path(__file__).parent
+API_KEY = "cluster-operator-key"
+PORT, WORKER_PORT = 8000, 8001
+
+
+@dataclass
+class Cluster:
+    """The running roles: processes by name, the hosts, the shared home, and the logs."""
+
+    hosts: Hosts
+    home: Path
+    root: Path
+    model: Path
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def api_url(self) -> str:
+        return f"http://{self.hosts['api'].address}:{PORT}"
+
+    def worker_url(self, name: str) -> str:
+        return f"http://{self.hosts[name].address}:{WORKER_PORT}"
+
+    def start(self, name: str) -> subprocess.Popen:
+        """Start role `name` (api, w1, w2) on its host with the CLI; replaces a dead process of that name."""
+        host = self.hosts[name]
+        serve = [sys.executable, "-m", "scalarlm.cli", "serve", "--model", str(self.model), "--home", str(self.home),
+                 "--host", host.address]  # fmt: skip
+        if name == "api":
+            argv = [*serve, "--role", "api", "--port", str(PORT), "--config", str(self.root / "api.yaml"),
+                    "--worker-url", self.worker_url("w1"), "--worker-url", self.worker_url("w2")]  # fmt: skip
+        else:
+            argv = [*serve, "--role", "worker", "--port", str(WORKER_PORT), "--api-url", self.api_url]
+        env = {**os.environ, "SCALARLM_API_KEYS_FILE": str(self.root / "keys.txt"), "PYTHONUNBUFFERED": "1"}
+        log = open(self.root / f"{name}.log", "ab")
+        proc = subprocess.Popen(host.command(*argv), stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.procs[name] = proc
+        return proc
+
+    def kill(self, name: str) -> int:
+        """SIGKILL role `name`; its pid."""
+        proc = self.procs[name]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        return proc.pid
+
+    def client(self, *args: str, background: bool = False) -> subprocess.Popen | dict:
+        """Run cluster_client.py on the client host; its RESULT (or the running process when `background`)."""
+        command = self.hosts["client"].command(sys.executable, str(HERE / "cluster_client.py"), *args)
+        env = {**os.environ, "SCALARLM_API_KEY": API_KEY}
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        return proc if background else result_of(proc)
+
+    def wait_up(self, *names: str) -> None:
+        urls = [f"{self.api_url}/v1/health" if n == "api" else f"{self.worker_url(n)}/health" for n in names]
+        assert self.client("wait", *urls) == {"up": True}, self.logs()
+
+    def completed(self) -> int:
+        """Items completed in the shared queue (read from the file, as an operator would)."""
+        with contextlib.closing(sqlite3.connect(f"file:{self.home / 'queue.sqlite'}?mode=ro", uri=True)) as db:
+            return db.execute("SELECT count(*) FROM items WHERE state = 'completed'").fetchone()[0]
+
+    def finishers(self, since: float) -> dict[str, int]:
+        """Items completed after `since` (epoch seconds), by the worker id that finished them."""
+        with contextlib.closing(sqlite3.connect(f"file:{self.home / 'queue.sqlite'}?mode=ro", uri=True)) as db:
+            rows = db.execute("SELECT worker_id, count(*) FROM items WHERE state = 'completed' AND finished > ? "
+                              "GROUP BY worker_id", (since,)).fetchall()  # fmt: skip
+        return dict(rows)
+
+    def wait_completed(self, count: int, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.completed() < count:
+            assert time.monotonic() < deadline, f"fewer than {count} completed\n{self.logs()}"
+            time.sleep(0.2)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}" for p in self.root.glob("*.log"))
+
+
+def result_of(proc: subprocess.Popen, timeout: float = 900.0) -> dict:
+    out, err = proc.communicate(timeout=timeout)
+    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"client exited {proc.returncode}\n{out[-2000:]}\n{err[-3000:]}"
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def worker_id(pid: int) -> str:
+    """The id a worker process reports (inference.worker.default_worker_id: host name and pid)."""
+    return f"{socket.gethostname()}-{pid}"
