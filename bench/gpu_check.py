@@ -88,9 +88,15 @@ def write_model(model_dir: Path, shape: dict[str, Any], dtype: str) -> dict[str,
     config = Qwen3Config(**shape, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)  # fmt: skip
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).to(getattr(torch, dtype))
+    device = "cuda" if dtype == "bfloat16" and torch.cuda.is_available() else "cpu"  # initialising 0.6B is faster there
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(getattr(torch, dtype))
     model.save_pretrained(model_dir)
-    return {"family": "qwen3", "params": sum(p.numel() for p in model.parameters()), **layout(shape)}
+    facts = {"family": "qwen3", "params": sum(p.numel() for p in model.parameters()), **layout(shape)}
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return facts
 
 
 def layout(shape: dict[str, Any]) -> dict[str, int]:
@@ -140,23 +146,22 @@ def run_trainer(job_dir: Path, timeout: float, stop_after_step: int | None = Non
     """Run one rank of the job as the local launcher does; optionally ask it to stop after a step."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     started = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "scalarlm.training", str(job_dir)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    log = job_dir / "trainer.stderr"  # a file, not a pipe: a full pipe would stall the trainer
+    with log.open("a") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "scalarlm.training", str(job_dir)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=err)  # fmt: skip
     marker = job_dir / "shutdown.requested"
-    try:
-        while proc.poll() is None:
-            if time.time() - started > timeout:
-                proc.kill()
-                raise RuntimeError(f"trainer ran past {timeout:.0f} s: see {job_dir}/logs/rank-0.log")
-            if stop_after_step is not None and not marker.exists() and last_step(job_dir) >= stop_after_step:
-                marker.write_text("gpu check: stop and save state\n")
-            time.sleep(0.05)
-    finally:
-        stderr = proc.stderr.read() if proc.stderr else ""
+    while proc.poll() is None:
+        if time.time() - started > timeout:
+            proc.kill()
+            raise RuntimeError(f"trainer ran past {timeout:.0f} s: see {job_dir}/logs/rank-0.log")
+        if stop_after_step is not None and not marker.exists() and last_step(job_dir) >= stop_after_step:
+            marker.write_text("gpu check: stop and save state\n")
+        time.sleep(0.05)
     status = json.loads((job_dir / "status.json").read_text())
     if proc.returncode != 0 or status["status"] not in {"COMPLETED", "QUEUED"}:
         raise RuntimeError(f"trainer exit {proc.returncode}, status {status['status']}: {status.get('reason')}\n"
-                           f"{stderr[-3000:]}")  # fmt: skip
+                           f"{log.read_text()[-3000:]}")  # fmt: skip
     marker.unlink(missing_ok=True)
     return {"status": status["status"], "wall_s": time.time() - started, "started": started}
 
