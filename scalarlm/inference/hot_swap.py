@@ -96,6 +96,11 @@ class WeightsManager:
         entry = self._catalog.get(model)
         return entry.kind if entry is not None else None
 
+    @property
+    def holding(self) -> str | None:
+        """The model whose full weights the engine holds now (None after a failed restore: nothing known)."""
+        return self._full[0] or None
+
     def registered_loras(self) -> dict[str, LoRARequest]:
         """The newest registered adapter of each LoRA model (what vLLM's serving models should list)."""
         return {name: a.request for name, a in self._adapters.items()}

@@ -135,6 +135,7 @@ class PullLoop:
                 capacity=capacity,
                 load=self.engine.load.snapshot(),
                 loaded=self.versions.loaded(),
+                holding=self.weights.holding,
             )
             asked = time.monotonic()
             try:

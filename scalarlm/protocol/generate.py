@@ -210,6 +210,9 @@ class GetWorkRequest(BaseModel):
     capacity: int = Field(..., ge=0, le=100_000)
     load: EngineLoad | None = None
     loaded: dict[str, int] = Field(default_factory=dict)
+    # The model whose full weights the worker's engine holds now (the base, or a full fine-tune): the queue leases
+    # work it can run without a swap first (see queue/store.py `lease`). None: not said.
+    holding: str | None = None
     # ScalarLM worker field names, accepted for compatibility.
     batch_size: int | None = None
     loaded_adaptor_count: int | None = None

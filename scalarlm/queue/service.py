@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from scalarlm.protocol.generate import (
@@ -24,6 +25,25 @@ from scalarlm.protocol.generate import (
 from scalarlm.queue.store import EnqueuedBatch, RequestQueue, Throughput
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSeen:
+    """A worker's last get_work request and when it came."""
+
+    request: GetWorkRequest
+    at: float
+
+
+def runs_without_swap(holding: str | None, models: list[ModelVersion]) -> set[str]:
+    """The models a worker holding `holding`'s full weights serves without reloading them: that full fine-tune
+    alone, or (holding the base) the base and every LoRA model, whose adapters sit on the base weights."""
+    if holding is None:
+        return set()
+    kinds = {m.name: m.kind for m in models}
+    if kinds.get(holding) == "full":
+        return {holding}
+    return {m.name for m in models if m.kind in ("base", "lora")}
 
 
 class QueueService:
@@ -44,6 +64,8 @@ class QueueService:
         # Waiters re-read SQLite at least this often, so results written by another process are seen.
         self.recheck_interval = recheck_interval
         self.models = models
+        # What each worker said in its last get_work (load, loaded versions, held weights), for metrics.
+        self.workers: dict[str, WorkerSeen] = {}
         self._results_changed = asyncio.Event()
         self._work_added = asyncio.Event()
 
@@ -62,11 +84,14 @@ class QueueService:
         capacity = min(request.capacity, self.max_lease_batch)
         if request.batch_size is not None and request.capacity == 0:
             capacity = min(request.batch_size, self.max_lease_batch)  # ScalarLM worker field name
-        items = await asyncio.to_thread(self.queue.lease, capacity, request.worker_id)
+        models = self.models()
+        self.workers[request.worker_id] = WorkerSeen(request, time.time())
+        prefer = runs_without_swap(request.holding, models)
+        items = await asyncio.to_thread(self.queue.lease, capacity, request.worker_id, None, prefer)
         if not items and capacity > 0 and self.idle_wait > 0:
             await self._wait_event("_work_added", self.idle_wait)
-            items = await asyncio.to_thread(self.queue.lease, capacity, request.worker_id)
-        return GetWorkResponse(requests=items, lease_seconds=self.queue.lease_seconds, models=self.models())
+            items = await asyncio.to_thread(self.queue.lease, capacity, request.worker_id, None, prefer)
+        return GetWorkResponse(requests=items, lease_seconds=self.queue.lease_seconds, models=models)
 
     async def finish_work(self, request: FinishWorkRequest) -> FinishWorkResponse:
         """Store results (first per request id wins) and wake everyone waiting for results."""

@@ -13,7 +13,7 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,8 @@ CREATE INDEX IF NOT EXISTS items_finished ON items (finished) WHERE finished IS 
 """
 
 _FINISHED = ("completed", "failed")
+# How long the oldest queued item may wait while workers keep to the weights they hold (then FIFO wins).
+AFFINITY_SECONDS = 5.0
 # SQLite's bound-parameter limit is large in 3.40, but small chunks keep statements cheap to plan.
 _IN_CHUNK = 500
 
@@ -167,8 +169,15 @@ class RequestQueue:
         logger.info("enqueued batch %s: %d items for %s", batch_id, counter.count, model)
         return EnqueuedBatch(batch_id, counter.count)
 
-    def lease(self, capacity: int, worker_id: str, now: float | None = None) -> list[WorkItem]:
-        """Lease up to `capacity` queued items of one model (the oldest item's), FIFO, with a deadline."""
+    def lease(self, capacity: int, worker_id: str, now: float | None = None, prefer: Collection[str] = (),
+              affinity_seconds: float = AFFINITY_SECONDS) -> list[WorkItem]:
+        """Lease up to `capacity` queued items of one model, FIFO within it, with a deadline.
+
+        The model is the oldest queued item's, unless the worker can run another queued model without swapping
+        weights (`prefer`: what it holds) and the oldest item has waited less than `affinity_seconds`: then the
+        oldest item of a preferred model. So with several full-weight models and workers, each worker keeps to the
+        weights it holds and swaps are spread, while no model waits longer than `affinity_seconds` for a swap.
+        """
         if capacity <= 0:
             return []
         now = time.time() if now is None else now
@@ -177,14 +186,17 @@ class RequestQueue:
         with self._transaction() as cur:
             self._expire(cur, now)
             oldest = cur.execute(
-                "SELECT model FROM items WHERE state='queued' ORDER BY rowid LIMIT 1"
+                "SELECT model, created FROM items WHERE state='queued' ORDER BY rowid LIMIT 1"
             ).fetchone()
             if oldest is None:
                 return []
+            model = oldest[0]
+            if prefer and model not in prefer and now - oldest[1] < affinity_seconds:
+                model = self._oldest_of(cur, list(prefer)) or model
             rows = cur.execute(
                 "SELECT rowid, request_id, model, payload FROM items WHERE state='queued' AND model=? "
                 "ORDER BY rowid LIMIT ?",
-                (oldest[0], capacity),
+                (model, capacity),
             ).fetchall()
             cur.executemany(
                 "UPDATE items SET state='leased', lease_deadline=?, worker_id=?, attempts=attempts+1 "
@@ -328,6 +340,20 @@ class RequestQueue:
         return count, tokens
 
     # ---- internals -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _oldest_of(cur: sqlite3.Cursor, models: list[str]) -> str | None:
+        """The model of the oldest queued item among `models` (None when none of them has queued work)."""
+        best: tuple[int, str] | None = None
+        for i in range(0, len(models), _IN_CHUNK):
+            chunk = models[i : i + _IN_CHUNK]
+            row = cur.execute(
+                f"SELECT min(rowid), model FROM items WHERE state='queued' AND model IN ({','.join('?' * len(chunk))})",
+                chunk,
+            ).fetchone()
+            if row is not None and row[0] is not None and (best is None or row[0] < best[0]):
+                best = (row[0], row[1])
+        return best[1] if best is not None else None
 
     def _has_leasable(self, now: float) -> bool:
         row = self._reader().execute(

@@ -115,7 +115,7 @@ async def _running(state: ServerState, worker: EmbeddedWorker | None) -> AsyncIt
         housekeeping = asyncio.create_task(
             state.queue.housekeeping(settings.generate.result_retention_seconds, settings.generate.housekeeping_interval)
         )
-        state.metrics.bind(queue, state.backend.load if state.backend is not None else None)
+        state.metrics.bind(queue, state.backend.load if state.backend is not None else None, state.queue.workers)
         logger.info("control plane ready: queue %s, %s", settings.queue_path, _describe(worker, settings))
         yield
     finally:

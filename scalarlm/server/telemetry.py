@@ -6,7 +6,8 @@ small ASGI middleware, labelled by route template (not raw path) so cardinality 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -15,16 +16,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from scalarlm.protocol.generate import EngineLoad
 from scalarlm.queue import RequestQueue
+from scalarlm.queue.service import WorkerSeen
 
 THROUGHPUT_WINDOW_SECONDS = 60.0
 
 
 class _LiveCollector(Collector):
-    """Reads the queue and the engine load when Prometheus scrapes."""
+    """Reads the queue, the engine load and what each worker last reported when Prometheus scrapes."""
 
     def __init__(self) -> None:
         self.queue: RequestQueue | None = None
         self.load: Callable[[], EngineLoad] | None = None
+        self.workers: Mapping[str, WorkerSeen] = {}
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         if self.queue is not None:
@@ -49,6 +52,41 @@ class _LiveCollector(Collector):
             yield GaugeMetricFamily(
                 "scalarlm_engine_kv_cache_usage", "Fraction of the KV cache in use", value=load.kv_cache_usage
             )
+        yield from worker_metrics(dict(self.workers), time.time())
+
+
+# name -> (help, EngineLoad field): one gauge per worker, from the load it sent with its last get_work.
+_WORKER_GAUGES = {
+    "scalarlm_worker_running": ("Sequences running in the worker's engine", "running"),
+    "scalarlm_worker_waiting": ("Sequences waiting in the worker's engine", "waiting"),
+    "scalarlm_worker_max_num_seqs": ("The worker engine's sequence slots", "max_num_seqs"),
+    "scalarlm_worker_kv_cache_usage": ("Fraction of the worker's KV cache in use", "kv_cache_usage"),
+    "scalarlm_worker_swaps": ("Full-weight swaps the worker has done since it started", "swaps"),
+    "scalarlm_worker_swap_seconds": ("Seconds the worker has spent swapping full weights", "swap_seconds"),
+}
+WORKER_FORGET_SECONDS = 600.0  # a worker not heard from for this long drops out of the metrics
+
+
+def worker_metrics(workers: dict[str, WorkerSeen], now: float) -> Iterator[GaugeMetricFamily]:
+    """Per-worker gauges (labelled by worker id) from each worker's last get_work."""
+    live = {w: seen for w, seen in workers.items() if now - seen.at < WORKER_FORGET_SECONDS}
+    age = GaugeMetricFamily("scalarlm_worker_last_seen_seconds", "Seconds since the worker last asked for work",
+                            labels=["worker"])  # fmt: skip
+    versions = GaugeMetricFamily("scalarlm_worker_model_version", "Weights version of each model the worker has "
+                                 "loaded", labels=["worker", "model"])  # fmt: skip
+    holding = GaugeMetricFamily("scalarlm_worker_holding", "1 for the model whose full weights the worker's engine "
+                                "holds", labels=["worker", "model"])  # fmt: skip
+    gauges = {name: GaugeMetricFamily(name, text, labels=["worker"]) for name, (text, _) in _WORKER_GAUGES.items()}
+    for worker, seen in sorted(live.items()):
+        age.add_metric([worker], now - seen.at)
+        for model, version in seen.request.loaded.items():
+            versions.add_metric([worker, model], version)
+        if seen.request.holding is not None:
+            holding.add_metric([worker, seen.request.holding], 1)
+        if seen.request.load is not None:
+            for name, (_, attr) in _WORKER_GAUGES.items():
+                gauges[name].add_metric([worker], getattr(seen.request.load, attr))
+    yield from (age, versions, holding, *gauges.values())
 
 
 class ServerMetrics:
@@ -62,10 +100,12 @@ class ServerMetrics:
             "scalarlm_http_requests", "HTTP requests answered", ["route", "method", "status"], registry=self.registry
         )
 
-    def bind(self, queue: RequestQueue | None, load: Callable[[], EngineLoad] | None) -> None:
-        """Point the live gauges at the queue and the engine (done once the lifespan has opened them)."""
+    def bind(self, queue: RequestQueue | None, load: Callable[[], EngineLoad] | None,
+             workers: Mapping[str, WorkerSeen] | None = None) -> None:
+        """Point the live gauges at the queue, the engine and the workers' reports (once the lifespan opened them)."""
         self.live.queue = queue
         self.live.load = load
+        self.live.workers = workers if workers is not None else {}
 
     def render(self) -> bytes:
         """The Prometheus text exposition (reads SQLite: call it from a thread)."""

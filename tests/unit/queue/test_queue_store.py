@@ -218,3 +218,24 @@ def test_reads_do_not_wait_for_a_long_enqueue(queue: RequestQueue) -> None:
     queue.enqueue(slow_items(), "m")
     assert seen_during == [2, 2, 2]
     assert queue.counts().queued == 5
+
+
+def test_a_worker_keeps_to_the_weights_it_holds_until_the_oldest_item_waited_too_long(queue: RequestQueue) -> None:
+    """Affinity: work for the model a worker holds is leased before older work for another full-weight model,
+    for at most `affinity_seconds`; then FIFO wins, so no model starves."""
+    a = queue.enqueue(prompts(2), "job-a")
+    b = queue.enqueue(prompts(2), "job-b")
+    now = time.time()
+    held_b = queue.lease(10, "w-b", now=now, prefer={"job-b"})
+    assert [i.model for i in held_b] == ["job-b", "job-b"]  # younger, but what w-b holds
+    fifo = queue.lease(10, "w-none", now=now)
+    assert [i.request_id for i in fifo] == a.request_ids
+    later = queue.enqueue(prompts(1), "job-b")
+    queue.enqueue(prompts(1), "job-a")
+    queue.enqueue(prompts(1), "job-b")
+    assert queue.lease(1, "w-a", prefer={"job-a"})[0].model == "job-a"  # within the window: what it holds
+    time.sleep(0.3)
+    # The oldest queued item (later's job-b) has now waited past the window: a job-a holder takes it.
+    starving = queue.lease(10, "w-a", prefer={"job-a"}, affinity_seconds=0.2)
+    assert starving[0].request_id == later.request_ids[0] and {i.model for i in starving} == {"job-b"}
+    assert len(b.request_ids) == 2
