@@ -146,6 +146,9 @@ class TrainJobConfig(BaseModel):
     # The run's time limit, min(train_args.timeout, training.max_train_seconds), set by the control plane: past it
     # the trainer saves its state at the next step boundary and ends FAILED saying so. None: train_args.timeout.
     max_train_seconds: float | None = None
+    # The share of each GPU the trainer's ranks may allocate, set by the control plane when they share the GPUs with
+    # its vLLM engine (an embedded node with the local launcher; config.gpu_memory_split). None: the whole GPU.
+    gpu_memory_fraction: float | None = Field(None, gt=0, le=1)
 
     @property
     def time_limit(self) -> float:

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from scalarlm.server.periodic import every
 from scalarlm.checkpoint import JobDir, latest_step, list_steps, read_manifest
 from scalarlm.checkpoint.hub_cache import has_chat_template, resolve_model
-from scalarlm.config import Settings, TrainingSettings
+from scalarlm.config import Settings, TrainingSettings, gpu_memory_split
 from scalarlm.launcher import (
     Launcher,
     ResumePolicy,
@@ -187,9 +187,18 @@ class TrainingJobs:
             shutil.rmtree(job.root, ignore_errors=True)
             raise
 
+    def _shares_gpus(self, launcher: Launcher) -> bool:
+        """True when the job's ranks run on this node's GPUs beside the embedded vLLM engine."""
+        return self.settings.server.role == "embedded" and launcher.name == "local"
+
     def _launch(self, job: JobDir, config: TrainJobConfig, launcher: Launcher) -> JobStatus:
         limit = min(config.train_args.timeout, self.settings.training.max_train_seconds)
-        config = config.model_copy(update={"max_train_seconds": float(limit)})  # the trainer stops itself there
+        shares = config.train_args.gpus > 0 and self._shares_gpus(launcher)
+        share = gpu_memory_split(self.settings).trainer if shares else 0.0
+        config = config.model_copy(update={
+            "max_train_seconds": float(limit),  # the trainer stops itself there
+            "gpu_memory_fraction": share or None,  # its ranks leave the engine its share of each GPU
+        })  # fmt: skip
         job.write_config(config)
         with self._lock:
             args = config.train_args

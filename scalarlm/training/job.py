@@ -113,7 +113,7 @@ def run_job(job_dir: Path, environ: Mapping[str, str]) -> int:
     torch.manual_seed(args.seed)
     trainer = None
     try:
-        par = init_parallel(env, args.tensor_parallel_size, args.seed)
+        par = init_parallel(env, args.tensor_parallel_size, args.seed, gpu_memory_fraction=config.gpu_memory_fraction)
         trainer = Trainer(job, config, par, rows, rl_rows)
         trainer.resume_if_saved()
         data = trainer.data_report()

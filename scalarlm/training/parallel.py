@@ -88,8 +88,13 @@ def set_cpu_threads(env: LaunchEnv) -> int:
     return threads
 
 
-def init_parallel(env: LaunchEnv, tensor_parallel_size: int, seed: int, timeout_s: float = 1800) -> Parallel:
-    """Start torch.distributed and megatron's model-parallel state for this rank."""
+def init_parallel(env: LaunchEnv, tensor_parallel_size: int, seed: int, timeout_s: float = 1800,
+                  gpu_memory_fraction: float | None = None) -> Parallel:
+    """Start torch.distributed and megatron's model-parallel state for this rank.
+
+    `gpu_memory_fraction`: the share of its GPU this rank may allocate (an embedded node, where vLLM holds the
+    rest); None: the whole GPU.
+    """
     from megatron.core import parallel_state, tensor_parallel
 
     if env.world_size % tensor_parallel_size:
@@ -100,6 +105,10 @@ def init_parallel(env: LaunchEnv, tensor_parallel_size: int, seed: int, timeout_
     if on_gpu:
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
+        if gpu_memory_fraction:
+            torch.cuda.set_per_process_memory_fraction(gpu_memory_fraction, device)
+            logger.info("rank %d: at most %.0f%% of %s (vLLM holds the rest)", env.rank, 100 * gpu_memory_fraction,
+                        device)
     else:
         activate_if_no_accelerator()
         device = torch.device("cpu")

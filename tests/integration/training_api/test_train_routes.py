@@ -228,3 +228,17 @@ def test_resources_a_job_leaves_out_come_from_the_training_settings(settings, tm
     training = settings.training.model_copy(update=cluster)
     args = parse_train_args({"max_steps": 1, **sent}, training)
     assert (args.gpus, args.cpu_ranks) == resources
+
+
+@pytest.mark.parametrize(("role", "gpus", "share"), [("embedded", 1, 0.55), ("embedded", 0, None), ("api", 1, None)])
+def test_an_embedded_nodes_gpu_job_gets_the_trainers_share_of_each_gpu(settings, tmp_path, role, gpus, share):
+    """config.gpu_memory_split's trainer share reaches the job (its ranks cap their allocations to it)."""
+    node = settings.model_copy(update={"server": settings.server.model_copy(update={"role": role})})
+    trainer = tmp_path / "stand_in_trainer.py"
+    trainer.write_text(textwrap.dedent(STAND_IN_TRAINER))
+    jobs = TrainingJobs(node, {"local": LocalLauncher(node, entry=[str(trainer)])})
+    config = TrainJobConfig(job_id="job-share", base_model=str(settings.model), train_args=TrainArgs(gpus=gpus))
+    job = JobDir.under(node.jobs_dir, "job-share")
+    job.create()
+    jobs.launch(job, config)
+    assert job.read_config().gpu_memory_fraction == share
