@@ -20,10 +20,10 @@ from typing import Literal
 logger = logging.getLogger(__name__)
 
 # `--family` names: the trainer's families (scalarlm.training.families) plus llama3 (Llama with llama3 RoPE).
-FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3")
-Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3"]
-# Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3).
-TIED_BY_DEFAULT = frozenset({"qwen3", "llama3", "smollm3"})
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma3")
+Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma3"]
+# Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3, Gemma).
+TIED_BY_DEFAULT = frozenset({"qwen3", "llama3", "smollm3", "gemma3"})
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<unk>"]
 # vLLM's CPU attention kernels support only these head sizes.
@@ -155,6 +155,14 @@ def _family_config(
     if family == "phi3":
         return transformers.Phi3Config(resid_pdrop=0.0, embd_pdrop=0.0, original_max_position_embeddings=max_position,
                                        **common)  # fmt: skip
+    if family == "gemma3":
+        # Gemma 3's 5:1 sliding:global pattern shrunk to 1:1, with its two RoPE bases and attention scalar.
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        rope = {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}  # fmt: skip
+        return transformers.Gemma3TextConfig(head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=8,
+                                             layer_types=types, rope_parameters=rope, attention_bias=False,
+                                             hidden_activation="gelu_pytorch_tanh", **common)  # fmt: skip
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
@@ -256,4 +264,5 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
                           config_overrides={"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
     "smollm3": dict(family="smollm3", hidden=256, heads=4, kv_heads=2, seed=5),
     "phi3": dict(family="phi3", hidden=256, heads=4, kv_heads=2, seed=6),
+    "gemma3": dict(family="gemma3", hidden=256, heads=4, kv_heads=2, seed=8),
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from torch import Tensor
 
 from scalarlm.training.families import ModelArch, check_tensor_parallel, read_arch
 from scalarlm.training.families.checkpoint import read_config, tensor_names
+from scalarlm.training.families.modules import adapt
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +28,9 @@ __all__ = ["ModelArch", "build_gpt_model", "check_tensor_parallel", "document_bo
 def model_arch(model_dir: Path) -> ModelArch:
     """The trained shape of the HF checkpoint in `model_dir` (InvalidRequest naming what its family refuses)."""
     return read_arch(read_config(model_dir), tensor_names(model_dir))
+
+_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
+
 
 def transformer_config(arch: ModelArch, tp: int, bf16: bool, recompute: bool = False):
     """The megatron TransformerConfig for `arch`: fusions off, per-token loss (the SFT loss sums over the batch).
@@ -46,7 +51,8 @@ def transformer_config(arch: ModelArch, tp: int, bf16: bool, recompute: bool = F
         normalization="RMSNorm",
         layernorm_epsilon=arch.norm_eps,
         gated_linear_unit=True,
-        activation_func=F.silu,
+        activation_func=_ACTIVATIONS[arch.activation],
+        softmax_scale=arch.softmax_scale,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
         qk_layernorm=arch.qk_layernorm,
@@ -151,7 +157,10 @@ def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool 
     class PackedGPTModel(GPTModel):
         """GPTModel whose RoPE follows `position_ids`, so positions restart at each packed document."""
 
+        current_position_ids = None  # read by per-layer RoPE (families.modules.apply_local_rope)
+
         def _preprocess(self, input_ids, position_ids, *args, **kwargs):
+            self.current_position_ids = position_ids
             out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
             if out[1] is None or position_ids is None:
                 return out
@@ -177,6 +186,9 @@ def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool 
     if arch.llama3_rope is not None:
         # megatron's own llama3 scaling hard-codes low/high_freq_factor and original_max_position_embeddings.
         model.rotary_pos_emb.inv_freq = llama3_inv_freq(arch)
+    if arch.rope_linear_factor is not None:
+        model.rotary_pos_emb.inv_freq = model.rotary_pos_emb.inv_freq / arch.rope_linear_factor
+    adapt(model, arch, torch.bfloat16 if bf16 else torch.float32, _per_document_rope)
     return model
 
 

@@ -1,22 +1,90 @@
-"""Gemma 1/2/3 and other recognised families the trainer refuses, each with the reason.
+"""Gemma 3 (text, `Gemma3ForCausalLM`), and the recognised families the trainer refuses, each with the reason.
 
-Gemma needs modules megatron-core 0.16.1 lacks (zero-centred (1 + w) RMSNorm, embedding x sqrt(hidden), the
-post-attention / post-MLP output norms, soft-capping, Gemma 3's second RoPE base for local layers). Until they are
-written and proven by the parity tests, a Gemma job is refused at submission rather than trained wrongly.
+Gemma 3 differs from Llama in ways megatron-core 0.16.1 has no module for; `modules.py` adds them, driven by
+`ModelArch` fields: zero-centred `(1 + w)` RMSNorm computed in fp32 (all norms, q/k norms included), embeddings
+scaled by sqrt(hidden_size), output norms after attention and after the MLP (HF's `post_attention_layernorm` is
+one of them, not the pre-MLP norm), GeGLU with tanh GELU, attention scale `query_pre_attn_scalar ** -0.5`,
+per-layer sliding windows (`layer_types`) and a second RoPE base for the sliding layers; `linear` RoPE scaling
+(Gemma 3 4B+) on the global layers. Soft-capping (Gemma 2) and bidirectional attention are refused.
 """
 
 from __future__ import annotations
 
-from scalarlm.training.families.spec import Refused
+from typing import Any
+
+from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.training.families.spec import Family, Refused, layer_type_windows
+
+
+def _rope(params: dict[str, Any] | None, where: str, default_theta: float) -> tuple[float, float | None]:
+    """(theta, linear factor) of one layer type's RoPE parameters."""
+    params = params or {}
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in ("default", "linear"):
+        raise InvalidRequest(f"{where}.rope_type {rope_type!r} is not supported for gemma3 "
+                             "(supported: ['default', 'linear'])", param="model")  # fmt: skip
+    theta = float(params.get("rope_theta") or default_theta)
+    return theta, float(params["factor"]) if rope_type == "linear" else None
+
+
+def _extra(config: dict[str, Any]) -> dict[str, Any]:
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(name) is not None:
+            raise InvalidRequest(f"{name}={config[name]} (soft-capping) is not supported", param="model")
+    if config.get("use_bidirectional_attention"):
+        raise InvalidRequest("use_bidirectional_attention=true is not supported", param="model")
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:  # transformers 5: per layer type
+        full, full_where = params.get("full_attention"), "rope_parameters.full_attention"
+        local, local_where = params.get("sliding_attention"), "rope_parameters.sliding_attention"
+    else:  # transformers 4.x: rope_theta + rope_scaling (global layers), rope_local_base_freq
+        full, full_where = {**(config.get("rope_scaling") or {}), "rope_theta": config.get("rope_theta")}, "rope_scaling"
+        local, local_where = {"rope_theta": config.get("rope_local_base_freq")}, "rope_local_base_freq"
+    theta, factor = _rope(full, full_where, 1_000_000.0)
+    local_theta, local_factor = _rope(local, local_where, 10_000.0)
+    if local_factor is not None:
+        raise InvalidRequest(f"{local_where}: RoPE scaling on the sliding layers is not supported", param="model")
+    hidden = int(config["hidden_size"])
+    return {
+        "rope_theta": theta,
+        "rope_linear_factor": factor,
+        "local_rope_theta": local_theta,
+        "norm_offset": True,
+        "embedding_multiplier": hidden**0.5,
+        "softmax_scale": float(config.get("query_pre_attn_scalar") or config.get("head_dim") or 256) ** -0.5,
+    }
+
+
+def _windows(config: dict[str, Any], layers: int) -> tuple[int | None, ...]:
+    """Gemma 3's `layer_types` (derived from `sliding_window_pattern` when absent, as transformers does)."""
+    if config.get("layer_types") is None and config.get("sliding_window") is not None:
+        pattern = int(config.get("sliding_window_pattern") or 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+        config = {**config, "layer_types": types}
+    return layer_type_windows(config, layers, True)
+
+
+GEMMA3 = Family(
+    name="gemma3",
+    architectures=("Gemma3ForCausalLM",),
+    qk_layernorm=True,
+    activations=frozenset({"gelu_pytorch_tanh"}),
+    sandwich_norms=True,
+    windows=_windows,
+    extra=_extra,
+    notes="Gemma 3 text: (1 + w) norms, sandwich norms, GeGLU, two RoPE bases, per-layer windows",
+)
 
 _GEMMA = (
-    "Gemma needs zero-centred (1 + w) RMSNorm, embedding scaling by sqrt(hidden_size), post-attention and post-MLP "
-    "norms, GeGLU (tanh) and (Gemma 2) logit soft-capping / (Gemma 3) a second RoPE base; the trainer does not "
-    "implement them yet"
+    "Gemma 1/2 need logit soft-capping (Gemma 2) and Gemma-1 norms the trainer does not implement; "
+    "only Gemma 3 text (Gemma3ForCausalLM) is supported"
 )
 
 REFUSED = (
-    Refused(("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), _GEMMA),
+    Refused(("GemmaForCausalLM", "Gemma2ForCausalLM"), _GEMMA),
+    Refused(("Gemma3ForConditionalGeneration",),
+            "multimodal Gemma 3 (4B+) checkpoints carry vision towers the trainer does not keep; "
+            "train the text model (Gemma3ForCausalLM)"),  # fmt: skip
     Refused(("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "PhimoeForCausalLM"),
             "mixture-of-experts layers are not supported yet"),  # fmt: skip
     Refused(("Olmo2ForCausalLM",), "OLMo 2 uses post-norm and full-width q/k norms, not implemented"),

@@ -56,6 +56,13 @@ class ModelArch:
     llama3_rope: tuple[float, float, float, int] | None = None  # factor, low_freq_factor, high_freq_factor, orig_max
     rope_layers: tuple[bool, ...] = ()  # per layer: applies RoPE (empty = every layer)
     windows: tuple[int | None, ...] = ()  # per layer: sliding window as HF applies it (empty = none)
+    activation: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    norm_offset: bool = False  # zero-centred RMSNorm: x_hat * (1 + w), computed in fp32 (Gemma)
+    sandwich_norms: bool = False  # output norms after attention and after the MLP (Gemma 2/3)
+    embedding_multiplier: float | None = None  # embeddings scaled by this (Gemma: sqrt(hidden_size))
+    softmax_scale: float | None = None  # attention scale (None: head_dim ** -0.5)
+    local_rope_theta: float | None = None  # RoPE base of the sliding-window layers when it differs (Gemma 3)
+    rope_linear_factor: float | None = None  # `linear` RoPE scaling of the global layers (inv_freq / factor)
 
     @property
     def heads_per_group(self) -> int:
@@ -83,6 +90,10 @@ class Family:
     windows: Callable[[dict[str, Any], int], tuple[int | None, ...]] = field(default=lambda config, n: ())
     rope_layers: Callable[[dict[str, Any], int], tuple[bool, ...]] = field(default=lambda config, n: ())
     refuse: Callable[[dict[str, Any]], None] = field(default=lambda config: None)
+    activations: frozenset[str] = frozenset({"silu"})  # HF `hidden_act` / `hidden_activation` values accepted
+    # Family-specific ModelArch fields read from the config (e.g. Gemma's norms, RoPE bases); may refuse.
+    extra: Callable[[dict[str, Any]], dict[str, Any]] = field(default=lambda config: {})
+    sandwich_norms: bool = False
     notes: str = ""
 
     @property
@@ -144,11 +155,22 @@ def _read_rope(config: dict[str, Any], family: Family) -> tuple[float, tuple[flo
     return theta, llama3
 
 
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _activation(config: dict[str, Any], family: Family) -> str:
+    name = "hidden_activation" if config.get("hidden_activation") is not None else "hidden_act"
+    act = _value(config, name, "silu")
+    if act not in family.activations:
+        raise InvalidRequest(
+            f"{name} {act!r} is not supported for {family.name} (supported: {sorted(family.activations)})",
+            param="model",
+        )
+    return ACTIVATIONS[act]
+
+
 def _refuse_common(config: dict[str, Any]) -> None:
     """Fields that change the maths of a Llama-shaped decoder in ways the trainer does not implement."""
-    act = _value(config, "hidden_act", _value(config, "hidden_activation", "silu"))
-    if act != "silu":
-        raise InvalidRequest(f"hidden_act {act!r} is not supported (SwiGLU with silu only)", param="model")
     if config.get("mlp_bias"):
         raise InvalidRequest("mlp_bias=true (biases on the MLP) is not supported", param="model")
     if config.get("attention_bias"):
@@ -176,8 +198,10 @@ def read_arch(config: dict[str, Any], tensor_names: Iterable[str], families: dic
         )
     _refuse_common(config)
     family.refuse(config)
+    activation = _activation(config, family)
     names = set(tensor_names)
-    theta, llama3 = _read_rope(config, family)
+    extra = family.extra(config)
+    theta, llama3 = (extra.pop("rope_theta"), None) if "rope_theta" in extra else _read_rope(config, family)
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
     layers = int(config["num_hidden_layers"])
@@ -203,6 +227,9 @@ def read_arch(config: dict[str, Any], tensor_names: Iterable[str], families: dic
         llama3_rope=llama3,
         rope_layers=family.rope_layers(config, layers),
         windows=family.windows(config, layers),
+        activation=activation,
+        sandwich_norms=family.sandwich_norms,
+        **extra,
     )
     if arch.num_heads % arch.num_kv_heads:
         raise InvalidRequest(
@@ -229,7 +256,12 @@ def rules(arch: ModelArch) -> Iterator[Rule]:
             yield Rule(mc + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), "replicated")
             yield Rule(mc + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), "replicated")
         yield Rule(mc + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "dim1")
-        yield Rule(mc + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), "replicated")
+        if arch.sandwich_norms:  # HF's post_attention_layernorm is an output norm here, not the pre-MLP norm
+            yield Rule(mc + "self_attention.post_norm.weight", (hf + "post_attention_layernorm.weight",), "replicated")
+            yield Rule(mc + "pre_mlp_layernorm.weight", (hf + "pre_feedforward_layernorm.weight",), "replicated")
+            yield Rule(mc + "mlp.post_norm.weight", (hf + "post_feedforward_layernorm.weight",), "replicated")
+        else:
+            yield Rule(mc + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), "replicated")
         if arch.fused_gate_up:
             yield Rule(mc + "mlp.linear_fc1.weight", (mlp + "gate_up_proj.weight",), "fc1")
         else:

@@ -18,7 +18,7 @@ from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ["qwen3", "llama3", "phi3", "smollm3", "mistral"]
+FAMILIES = ["qwen3", "llama3", "phi3", "smollm3", "mistral", "gemma3"]
 PROMPTS = ["What is the capital of France?", "What do bees make?", "What colour is the sky?"]
 FACTS = [{"input": p, "output": o} for p, o in zip(PROMPTS, [" Paris", " honey", " blue"])]
 TOKENS = 6

@@ -9,6 +9,7 @@ through the converter, and prints one JSON line (rank 0) with
   and much longer than any sliding window;
 * `builtin_rope_diff` (llama3 models): `long_diff` with megatron's own llama3 scaling (hard-coded factors) instead
   of the config's: large, so the long positions really test the scaling;
+* `logit_scale`: max |HF logit| (Gemma's scaled embeddings make logits ~3x larger than Llama's);
 * `roundtrip_exact`: gathering the TP shards and mapping mcore -> HF reproduces every HF tensor bit for bit.
 """
 
@@ -83,6 +84,7 @@ def check(model_dir: Path, par) -> dict:
         "max_diff": (ours - theirs).abs().max().item(),
         "packed_diff": (ours_packed - theirs_packed).abs().max().item(),
         "long_diff": long_diff,
+        "logit_scale": max(theirs.abs().max().item(), theirs_long.abs().max().item()),
         "builtin_rope_diff": builtin,
         "roundtrip_exact": exact,
     }

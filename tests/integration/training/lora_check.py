@@ -73,6 +73,7 @@ def check(model_dir: Path, out: Path, par) -> dict:
         "max_diff": (ours - theirs).abs().max().item(),
         "base_diff": (ours_base - plain).abs().max().item(),
         "lora_effect": (theirs - plain).abs().max().item(),
+        "logit_scale": theirs.abs().max().item(),
         "grad_norms": grads,
     }
 

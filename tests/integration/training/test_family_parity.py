@@ -22,7 +22,8 @@ from scalarlm.training.families import FAMILY_LIST
 from scalarlm.training.model import model_arch
 
 HERE = Path(__file__).parent
-TOLERANCE = 1e-5  # fp32 logits
+TOLERANCE = 1e-5  # fp32 logits of magnitude <= ~6; larger logits (Gemma: ~20) get the same relative tolerance
+RELATIVE = 2e-6
 MODELS = sorted(FAMILY_TINY_MODELS)
 TPS = [1, pytest.param(2, marks=pytest.mark.slow)]
 
@@ -77,9 +78,10 @@ def test_every_family_has_a_tiny_model(family_models: dict[str, Path]) -> None:
 def test_logits_match_hf(logits, model: str, tp: int) -> None:
     r = logits(tp)[model]
     assert r["tp"] == tp
-    assert r["max_diff"] <= TOLERANCE, r
-    assert r["packed_diff"] <= TOLERANCE, r  # packed documents do not attend to each other
-    assert r["long_diff"] <= TOLERANCE, r
+    tolerance = max(TOLERANCE, RELATIVE * r["logit_scale"])
+    assert r["max_diff"] <= tolerance, r
+    assert r["packed_diff"] <= tolerance, r  # packed documents do not attend to each other
+    assert r["long_diff"] <= tolerance, r
     assert r["roundtrip_exact"] is True, r
     if model == "llama3":
         # megatron's own llama3 scaling (hard-coded low/high_freq_factor, 8192 context) differs at these positions
@@ -91,8 +93,9 @@ def test_logits_match_hf(logits, model: str, tp: int) -> None:
 def test_lora_matches_peft(lora, family_models: dict[str, Path], model: str, tp: int) -> None:
     r = lora(tp)[model]
     assert r["tp"] == tp
-    assert r["max_diff"] <= TOLERANCE, r
-    assert r["base_diff"] <= TOLERANCE, r  # adapters disabled = the base model (the KL reference)
+    tolerance = max(TOLERANCE, RELATIVE * r["logit_scale"])
+    assert r["max_diff"] <= tolerance, r
+    assert r["base_diff"] <= tolerance, r  # adapters disabled = the base model (the KL reference)
     assert r["lora_effect"] > 0.1, r  # the adapter really changes the logits
     if model_arch(family_models[model]).fused_qkv:
         assert r["target_modules"] == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # what vLLM loads

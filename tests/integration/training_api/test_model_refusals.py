@@ -88,7 +88,8 @@ def test_unknown_rope_type_is_named(serve, tiny_model_dir: Path, tmp_path: Path)
 @pytest.mark.parametrize(
     ("architecture", "words"),
     [("GPT2LMHeadModel", ("GPT2LMHeadModel", "not supported")),
-     ("Gemma3ForCausalLM", ("Gemma3ForCausalLM", "(1 + w) RMSNorm")),
+     ("Gemma2ForCausalLM", ("Gemma2ForCausalLM", "soft-capping")),
+     ("Gemma3ForConditionalGeneration", ("Gemma3ForConditionalGeneration", "vision towers")),
      ("MixtralForCausalLM", ("MixtralForCausalLM", "mixture-of-experts"))],
 )  # fmt: skip
 def test_unsupported_architecture_is_named(serve, tiny_model_dir: Path, tmp_path: Path, architecture: str,

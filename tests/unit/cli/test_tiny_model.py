@@ -85,7 +85,7 @@ def test_peft_lora_attaches_and_runs(tiny_model_dir: Path) -> None:
     assert logits.shape == (1, 3, 512)
 
 
-@pytest.mark.parametrize("family", ["llama3", "mistral", "qwen3", "smollm3", "phi3"])
+@pytest.mark.parametrize("family", ["llama3", "mistral", "qwen3", "smollm3", "phi3", "gemma3"])
 def test_every_family_builds_offline_with_its_real_fields(tmp_path: Path, family: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
@@ -97,7 +97,8 @@ def test_every_family_builds_offline_with_its_real_fields(tmp_path: Path, family
         assert 0 <= config[key] < config["vocab_size"], key  # Phi-3 and SmolLM3 default to ids past a tiny vocab
     fields = {"llama3": ("rope_parameters", "rope_type", "llama3"), "mistral": ("sliding_window", None, 8),
               "smollm3": ("no_rope_layers", None, [1, 0]), "qwen3": ("architectures", None, ["Qwen3ForCausalLM"]),
-              "phi3": ("architectures", None, ["Phi3ForCausalLM"])}  # fmt: skip
+              "phi3": ("architectures", None, ["Phi3ForCausalLM"]),
+              "gemma3": ("layer_types", None, ["sliding_attention", "full_attention"])}  # fmt: skip
     key, sub, value = fields[family]
     assert (config[key][sub] if sub else config[key]) == value
     model = AutoModelForCausalLM.from_pretrained(tmp_path / family)

@@ -34,7 +34,8 @@ def _names_for(config: dict) -> list[str]:
     shape = ModelArch(family=family.name, vocab_size=1, hidden_size=1, num_layers=config["num_hidden_layers"],
                       num_heads=1, num_kv_heads=1, head_dim=1, ffn_hidden_size=1, norm_eps=0.0, rope_theta=0.0,
                       max_position_embeddings=1, tied_embeddings=tied, qk_layernorm=family.qk_layernorm,
-                      fused_qkv=family.fused_qkv, fused_gate_up=family.fused_gate_up)  # fmt: skip
+                      fused_qkv=family.fused_qkv, fused_gate_up=family.fused_gate_up,
+                      sandwich_norms=family.sandwich_norms)  # fmt: skip
     return hf_tensor_names(shape)
 
 
@@ -45,7 +46,7 @@ def test_family_modules_import_no_torch() -> None:
 
 
 def test_registry_names_every_family_once() -> None:
-    assert {f.name for f in FAMILY_LIST} == {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"}
+    assert {f.name for f in FAMILY_LIST} == {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma3"}
     assert all(FAMILIES[a] is f for f in FAMILY_LIST for a in f.architectures)
 
 
@@ -84,7 +85,7 @@ def test_fields_that_change_the_maths_are_refused_by_name(changes: dict, field: 
 def test_recognised_but_unsupported_families_say_why() -> None:
     with pytest.raises(InvalidRequest, match=r"Gemma2ForCausalLM.*soft-capping"):
         arch_of("Gemma2ForCausalLM")
-    with pytest.raises(InvalidRequest, match=r"GPT2LMHeadModel.*supported: \['LlamaForCausalLM'"):
+    with pytest.raises(InvalidRequest, match=r"GPT2LMHeadModel.*supported: \[.*'LlamaForCausalLM'"):
         arch_of("GPT2LMHeadModel")
 
 
@@ -105,6 +106,27 @@ def test_smollm3_nope_layers_follow_hf_convention() -> None:
     assert arch_of("SmolLM3ForCausalLM", no_rope_layers=[1, 0]).rope_layers == (True, False)
     derived = arch_of("SmolLM3ForCausalLM", num_hidden_layers=4, no_rope_layer_interval=4)
     assert derived.rope_layers == (True, True, True, False)
+
+
+GEMMA3 = {"architectures": ["Gemma3ForCausalLM"], "hidden_activation": "gelu_pytorch_tanh", "head_dim": 64,
+          "query_pre_attn_scalar": 256, "sliding_window": 512, "tie_word_embeddings": True}  # fmt: skip
+
+
+def test_gemma3_reads_its_norms_scales_windows_and_two_rope_bases() -> None:
+    legacy = arch_of(**{**GEMMA3, "architectures": ["Gemma3ForCausalLM"]}, rope_theta=1e6, rope_local_base_freq=1e4,
+                     rope_scaling={"rope_type": "linear", "factor": 8.0}, num_hidden_layers=6)  # fmt: skip
+    assert (legacy.rope_theta, legacy.local_rope_theta, legacy.rope_linear_factor) == (1e6, 1e4, 8.0)
+    assert legacy.windows == (512,) * 5 + (None,)  # sliding_window_pattern 6: every 6th layer is global
+    assert legacy.norm_offset and legacy.sandwich_norms and legacy.activation == "gelu_tanh"
+    assert legacy.embedding_multiplier == 256**0.5 and legacy.softmax_scale == 256**-0.5
+    for field, value in (("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0),
+                         ("use_bidirectional_attention", True)):  # fmt: skip
+        with pytest.raises(InvalidRequest, match=field):
+            arch_of(**GEMMA3, **{field: value})
+    with pytest.raises(InvalidRequest, match="rope_parameters.full_attention.rope_type 'yarn'"):
+        arch_of(**GEMMA3, rope_parameters={"full_attention": {"rope_type": "yarn"}, "sliding_attention": {}})
+    with pytest.raises(InvalidRequest, match="hidden_act 'silu' is not supported for gemma3"):
+        arch_of(**{**GEMMA3, "hidden_activation": None, "hidden_act": "silu"})
 
 
 def test_tensor_names_are_strict() -> None:
