@@ -109,9 +109,11 @@ def run_job(job_dir: Path, environ: Mapping[str, str]) -> int:
     from scalarlm.training.loop import Trainer, run
     from scalarlm.training.parallel import init_parallel, shutdown_parallel
     from scalarlm.training.session_loop import run_session
+    from scalarlm.training.tensorboard_log import TensorBoardLog
 
     torch.manual_seed(args.seed)
     trainer = None
+    board: TensorBoardLog | None = None
     try:
         par = init_parallel(env, args.tensor_parallel_size, args.seed, gpu_memory_fraction=config.gpu_memory_fraction)
         trainer = Trainer(job, config, par, rows, rl_rows)
@@ -122,10 +124,13 @@ def run_job(job_dir: Path, environ: Mapping[str, str]) -> int:
             logger.info("data: %s", data)
             job.update_status(step=trainer.step, details={"data": data})
 
+        board = TensorBoardLog(job.root) if main else None
+
         def on_step(metrics: dict[str, Any]) -> None:
-            if main:
+            if board is not None:
                 metrics.setdefault("truncated_rows", data["truncated_rows"])
                 job.append_metrics(metrics)
+                board.write(metrics)
                 job.update_status(step=metrics["step"], loss=metrics["loss"])
                 logger.info("step %d loss %.5f lr %.3g tok/s %.0f", metrics["step"], metrics["loss"], metrics["lr"],
                             metrics["tokens_per_second"])
@@ -142,6 +147,8 @@ def run_job(job_dir: Path, environ: Mapping[str, str]) -> int:
         step = trainer.step if trainer is not None else None
         return _fail(job, f"rank {env.rank}: {type(e).__name__}: {e}", step)
     finally:
+        if board is not None:
+            board.close()
         shutdown_parallel()
 
     if main:

@@ -246,3 +246,16 @@ def test_gradient_checkpointing_job_reproduces_the_loss_curve(reference: JobDir,
     ours, theirs = losses(job), losses(reference)
     assert len(ours) == len(theirs) == TRAIN_ARGS["max_steps"]
     assert max(abs(a - b) for a, b in zip(ours, theirs)) < RESUME_TOLERANCE
+
+
+def test_every_step_is_in_tensorboard_event_files_beside_the_metrics(reference: JobDir) -> None:
+    """Read back with TensorBoard's own reader: each metric of metrics.jsonl is a scalar curve by step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(reference.root / "tensorboard"))
+    board.Reload()
+    rows = reference.read_metrics()
+    for name in ("loss", "lr", "tokens_per_second"):
+        events = board.Scalars(f"train/{name}")
+        assert [e.step for e in events] == [r["step"] for r in rows]
+        assert [e.value for e in events] == pytest.approx([r[name] for r in rows], rel=1e-6)
