@@ -20,7 +20,7 @@ REQUIRED = {
     ("Deployment", "api"), ("Deployment", "worker"), ("Service", "api"), ("Service", "worker"),
     ("StatefulSet", "slurmctld"), ("StatefulSet", "slurmd"), ("Service", "slurmctld"), ("Service", "slurmd"),
     ("PersistentVolumeClaim", "shared"), ("ConfigMap", "settings"), ("ConfigMap", "slurm"),
-    ("Secret", "api-keys"), ("Secret", "munge"), ("Pod", "test-generate"),
+    ("Secret", "api-keys"), ("Secret", "munge"), ("Pod", "test-generate"), ("ConfigMap", "grafana-dashboard"),
 }
 
 
@@ -38,7 +38,7 @@ def test_template_is_yaml_after_stripping_actions(template):
 def test_templates_hold_every_required_kind():
     kinds = Counter(doc["kind"] for t in TEMPLATES for doc in parse_template(t.read_text()))
     assert kinds["Deployment"] == 2 and kinds["StatefulSet"] == 2 and kinds["Service"] == 4
-    assert kinds["PersistentVolumeClaim"] == 1 and kinds["ConfigMap"] == 2 and kinds["Secret"] == 2
+    assert kinds["PersistentVolumeClaim"] == 1 and kinds["ConfigMap"] == 3 and kinds["Secret"] == 2
     assert kinds["Pod"] == 1
 
 
@@ -223,3 +223,14 @@ def test_scoped_keys_file_is_mounted_in_the_api_pod_only():
     assert volumes["keys-file"]["secret"]["secretName"] == "team-keys"
     worker = yaml.safe_load(manifests["scalarlm/templates/worker-deployment.yaml"])
     assert "team-keys" not in json.dumps(worker)
+
+
+def test_grafana_dashboard_configmap_carries_the_sidecar_label_and_parses(rendered):
+    _, docs = rendered
+    dashboard = _objects(docs, "ConfigMap")["grafana-dashboard"]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    panels = json.loads(dashboard["data"]["scalarlm.json"])["panels"]
+    assert panels and all(p["targets"] and all(t["expr"] for t in p["targets"]) for p in panels)
+    (api,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-api")]
+    annotations = api["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"

@@ -36,3 +36,21 @@ async def test_each_worker_gets_the_work_of_the_weights_it_holds_and_metrics_sho
         assert line in text, line
     assert 'scalarlm_worker_last_seen_seconds{worker="w2"}' in text
     assert 'scalarlm_worker_running{worker="w2"}' not in text  # w2 sent no load
+
+
+async def test_every_grafana_panel_queries_a_metric_the_control_plane_exposes(running_app) -> None:
+    """The chart's dashboard (deployment/helm/scalarlm/dashboards/scalarlm.json) against the /metrics of a split
+    control plane, as the chart runs it (its one worker URL answers nothing here: loads count as idle)."""
+    import json
+    import re
+    from pathlib import Path
+
+    dashboard = Path(__file__).parents[3] / "deployment" / "helm" / "scalarlm" / "dashboards" / "scalarlm.json"
+    load = {"running": 1, "max_num_seqs": 8, "swaps": 1}
+    async with running_app(server={"role": "api", "worker_urls": ["http://127.0.0.1:9"]}) as client:
+        await client.post("/v1/generate/get_work", json={"worker_id": "w1", "capacity": 0, "load": load,
+                                                         "loaded": {"tiny": 0}, "holding": "tiny"})  # fmt: skip
+        exposed = set(re.findall(r"^(scalarlm_[a-z_]+)", (await client.get("/metrics")).text, re.MULTILINE))
+    queried = {name for panel in json.loads(dashboard.read_text())["panels"] for target in panel["targets"]
+               for name in re.findall(r"scalarlm_[a-z_]+", target["expr"])}  # fmt: skip
+    assert queried and queried <= exposed, sorted(queried - exposed)
