@@ -63,7 +63,7 @@ def create_app(settings: Settings, worker: EmbeddedWorker | None = None) -> Fast
     state.worker_key = worker_key(settings.home, settings.server.worker_key_file) if worker is None else None
     app.state.keys = KeyRing.load(settings.server.api_keys, settings.server.api_keys_file, notify_key(settings.home),
                                   state.worker_key)
-    app.state.usage = KeyUsage()
+    app.state.usage = KeyUsage.open(settings.home / "usage.sqlite")  # per-key counts survive a restart
     app.state.drain = Drain()
     install_error_handlers(app)
     routers = (generate.router, openai.router, training.router, training.alias_router, sessions.router, catalog.router)

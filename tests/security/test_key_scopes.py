@@ -164,3 +164,25 @@ def test_max_jobs_answers_429_while_the_key_runs_its_limit(keyed) -> None:
     jid = third.json()["job_status"]["job_id"]
     client.post(f"/v1/megatron/cancel/{jid}", headers=bearer(TRAIN))
     _wait_terminal(client, jid, TRAIN)
+
+
+def test_per_key_counts_survive_a_restart_of_the_control_plane(keyed, tmp_path) -> None:
+    """The key -> batch / job record is in SQLite beside the queue: a new app on the same home keeps the limits."""
+    client, settings = keyed
+    assert client.post("/v1/generate", json={"prompts": ["a", "b"]}, headers=bearer(LIMITED)).status_code == 200
+    first = _train(client, TRAIN)
+    assert first.status_code == 200, first.text
+    job_id = first.json()["job_status"]["job_id"]
+    trainer = tmp_path / "trainer.py"
+    restarted = create_app(settings)  # another process would read the same files
+    restarted.state.training = TrainingJobs(settings, {"local": LocalLauncher(settings, entry=[str(trainer)])})
+    with TestClient(restarted) as again:
+        over = again.post("/v1/generate", json={"prompts": ["c", "d"]}, headers=bearer(LIMITED))
+        assert over.status_code == 429 and "2 unfinished items" in over.json()["error"]["message"]
+        assert _train(again, TRAIN).status_code == 429  # its running job still counts
+        assert again.post(f"/v1/megatron/cancel/{job_id}", headers=bearer(TRAIN)).status_code == 200
+        assert _wait_terminal(again, job_id, TRAIN) == "CANCELLED"
+        later = _train(again, TRAIN)
+        assert later.status_code == 200
+        again.post(f"/v1/megatron/cancel/{later.json()['job_status']['job_id']}", headers=bearer(TRAIN))
+    assert (settings.home / "usage.sqlite").exists()
