@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -184,11 +185,12 @@ class Trainer:
         return self.sft_step(batch)
 
     def optimizer_step(self) -> tuple[float, float]:
-        """Sum LoRA grads over TP, then step the optimizer at this step's LR; returns (lr, grad norm)."""
-        if self.lora:
-            lora.allreduce_lora_grads(self.model, self.par.tp_group, self.par.tp_size)
+        """Step the optimizer at this step's LR (LoRA grads summed over TP once the DP sync has finished, the same
+        order on every rank); returns (lr, grad norm)."""
+        par = self.par
+        sum_lora = partial(lora.allreduce_lora_grads, self.model, par.tp_group, par.tp_size) if self.lora else None
         lr = lr_at(self.step, self.args)
-        return lr, self.optimizer.step(lr)
+        return lr, self.optimizer.step(lr, after_sync=sum_lora)
 
     def sft_step(self, batch: StepBatch) -> dict[str, Any]:
         """One optimizer step of the SFT loss over this rank's share of `batch`; returns its metrics row."""

@@ -9,7 +9,8 @@ Tensor parallelism (kept simple): every rank holds the full A and B (replicated)
 the full delta and keep this rank's slice; row-parallel layers multiply their input shard by A's matching columns and
 all-reduce the rank-r product. The gradients of A (all layers) and of B (column layers) are then partial sums per TP
 rank and are all-reduced over TP before the optimizer step (`allreduce_lora_grads`); row-parallel B gradients are
-already identical on every TP rank.
+already identical on every TP rank. That all-reduce runs after the DP grad sync has finished (the trainer hands it to
+`Optimizer.step` as `after_sync`), never while DP bucket all-reduces of the same grads are in flight.
 """
 
 from __future__ import annotations
@@ -177,7 +178,10 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
 
 
 def allreduce_lora_grads(model: nn.Module, group: dist.ProcessGroup, tp_size: int) -> None:
-    """Sum the partial A/B gradients over TP ranks (row-parallel B grads are already complete)."""
+    """Sum the partial A/B gradients over TP ranks (row-parallel B grads are already complete).
+
+    With megatron DDP this reduces `main_grad`: call it only after `finish_grad_sync()` (overlapped DP all-reduces of
+    those buffers may still be running before it), in the same order on every rank."""
     if tp_size == 1:
         return
     for lora in lora_sets(model):
