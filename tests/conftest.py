@@ -87,6 +87,7 @@ def start_serve(tmp: Path, model: Path, env: dict[str, str] | None = None) -> It
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+            pytest.fail(f"scalarlm serve ignored SIGTERM for 60 s:\n{log.read_text()[-3000:]}")
 
 
 
