@@ -54,15 +54,18 @@ def _step_body(rows: Rows, version: int | None, wait_seconds: float) -> dict[str
     payload = [_row(r) for r in rows]
     if not payload:
         raise ValueError("a session step needs at least one row")
-    return {"rows": payload, "version": version, "wait_seconds": wait_seconds}
+    body: dict[str, Any] = {"rows": payload, "wait_seconds": wait_seconds}
+    if version is not None:  # sent only when known, as older servers take no such field
+        body["version"] = version
+    return body
 
 
 def create_flow(model_name: str | None, train_args: Mapping[str, Any] | None, max_staleness: int = 1,
                 stale_policy: StalePolicy = "refuse") -> Flow:  # fmt: skip
-    body = yield Call("POST", SESSIONS, json={
-        "model_name": model_name, "train_args": dict(train_args or {}), "max_staleness": max_staleness,
-        "stale_policy": stale_policy,
-    })  # fmt: skip
+    payload: dict[str, Any] = {"model_name": model_name, "train_args": dict(train_args or {})}
+    if (max_staleness, stale_policy) != (1, "refuse"):  # the server's defaults: older servers take no such fields
+        payload.update(max_staleness=max_staleness, stale_policy=stale_policy)
+    body = yield Call("POST", SESSIONS, json=payload)
     return SessionResponse.model_validate(body)
 
 
@@ -133,7 +136,9 @@ class _Session:
         return f"{type(self).__name__}({self.id!r}, version={self.version})"
 
     def _answered(self, response: SessionStepResponse) -> SessionStepResponse:
-        self.last = response
+        """Note a step's answer: `last` and `version` follow the newest step answered (futures resolve in any order)."""
+        if self.last is None or response.version >= self.last.version:
+            self.last = response
         self.version = max(self.version, response.version)
         return response
 

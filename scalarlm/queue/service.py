@@ -90,6 +90,9 @@ class QueueService:
         items = await asyncio.to_thread(self.queue.lease, capacity, request.worker_id, None, prefer)
         if not items and capacity > 0 and self.idle_wait > 0:
             await self._wait_event("_work_added", self.idle_wait)
+            # Versions published during the wait: the items leased now must be served with them.
+            models = self.models()
+            prefer = runs_without_swap(request.holding, models)
             items = await asyncio.to_thread(self.queue.lease, capacity, request.worker_id, None, prefer)
         return GetWorkResponse(requests=items, lease_seconds=self.queue.lease_seconds, models=models)
 
