@@ -1,5 +1,7 @@
-"""Publish->serve latency (issue 4): from the end of an optimizer step to the first response stamped with
-the new version, divided by the floor (writing and reading the same bytes as safetensors on the same disk).
+"""Publish->serve latency: from the end of an optimizer step to the first response stamped with the new version,
+divided by the floor: writing and reading the same bytes as safetensors on the same disk, plus one request's
+latency through the same queue and engine on weights already loaded (what any answer costs), so a swap that
+adds nothing beyond its bytes and one answer scores 1.0.
 
 One process: a ~40M-param model, the real SQLite queue whose catalog reads the job's published
 checkpoints (the file-poll path), and the worker's pull loop on an in-process vLLM engine. Each round
@@ -92,6 +94,7 @@ async def measure(kind: str, model: Any, engine: Any, settings: Any, home: Path,
                     break
             latencies.append(time.perf_counter() - start)
             writes.append(written - start)
+        answer = await _request_seconds(service, job.job_id, rounds)
     finally:
         await loop.stop()
         service.close()
@@ -100,12 +103,25 @@ async def measure(kind: str, model: Any, engine: Any, settings: Any, home: Path,
         from peft import get_peft_model_state_dict
 
         state = {k: v.detach().contiguous().clone() for k, v in get_peft_model_state_dict(model).items()}
-    floor = floor_seconds(state, home)
+    io = floor_seconds(state, home)
+    floor = io + answer
     latency = statistics.median(latencies)
     megabytes = sum(t.numel() * t.element_size() for t in state.values()) / 1e6
     print(f"{kind}: {megabytes:.1f} MB, publish->serve {latency:.3f}s (write {statistics.median(writes):.3f}s), "
-          f"floor {floor:.3f}s, ratio {latency / floor:.2f}; swaps {engine.load.swaps}")
+          f"floor {floor:.3f}s (write+read {io:.3f}s + one answer {answer:.3f}s), ratio {latency / floor:.2f}; "
+          f"swaps {engine.load.swaps}")
     return {"latency": latency, "floor": floor}
+
+
+async def _request_seconds(service: Any, model: str, rounds: int) -> float:
+    """Median time of one request through the queue and engine on weights already loaded (no publish between)."""
+    times = []
+    for _ in range(max(3, rounds)):
+        start = time.perf_counter()
+        batch = await service.enqueue([{"prompt": "Hello", "sampling": {"max_tokens": 1}}], model=model)
+        await service.wait_results(batch.request_ids, 120.0)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 async def run(rounds: int) -> dict[str, float]:
