@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from scalarlm.cli.ops import add_commands
 from scalarlm.cli.tiny_model import FAMILIES
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_generate(sub)
     _add_make_tiny_model(sub)
+    add_commands(sub)
     return parser
 
 

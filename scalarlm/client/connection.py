@@ -75,5 +75,7 @@ def error_for(response: httpx.Response) -> ScalarLMError:
 def decode(response: httpx.Response) -> object:
     """The JSON body of a 2xx response; raise the typed error for anything else."""
     if response.is_success:
+        if "json" not in response.headers.get("content-type", "json"):
+            return response.text  # plain-text routes (a job's logs)
         return response.json()
     raise error_for(response)

@@ -176,6 +176,25 @@ def wait_flow(job_id: str, timeout: float | None, poll_seconds: float, progress:
     return status
 
 
+def logs_flow(job_id: str) -> Flow:
+    """The launcher's output and each rank's log, as one text."""
+    return (yield Call("GET", f"/v1/megatron/train/{job_id}/logs"))
+
+
+def checkpoints_flow(job_id: str) -> Flow:
+    """Every published checkpoint of a job: step (= version), kind, bytes, files."""
+    return (yield Call("GET", f"/v1/megatron/train/{job_id}/checkpoints"))
+
+
+def dataset_flow(job_id: str, limit: int) -> Flow:
+    """How many rows a job trains on, and the first `limit`."""
+    return (yield Call("GET", f"/v1/megatron/train/{job_id}/dataset?limit={limit}"))
+
+
+def get_flow(path: str) -> Flow:
+    return (yield Call("GET", path))
+
+
 def plot_metrics(metrics: list[dict[str, Any]], path: str | Path, title: str) -> Path:
     """Write a PNG loss curve (step vs loss) with matplotlib's Agg canvas (no global pyplot state)."""
     try:
@@ -334,6 +353,30 @@ class TrainingMethods:
         """Write the job's loss curve (step vs loss) as a PNG at `path`; return the path."""
         return plot_metrics(self._run(metrics_flow(_job_id(job))), path, _title(_job_id(job)))
 
+    def get_logs(self, job: "str | TrainingJob") -> str:
+        """The job's launcher output and rank logs."""
+        return self._run(logs_flow(_job_id(job)))
+
+    def list_checkpoints(self, job: "str | TrainingJob") -> dict[str, Any]:
+        """The job's published checkpoints (versions) with kind and size."""
+        return self._run(checkpoints_flow(_job_id(job)))
+
+    def get_dataset(self, job: "str | TrainingJob", limit: int = 20) -> dict[str, Any]:
+        """The job's row count and first rows."""
+        return self._run(dataset_flow(_job_id(job), limit))
+
+    def squeue(self) -> dict[str, Any]:
+        """Training jobs the launchers hold (queued or running)."""
+        return self._run(get_flow("/v1/megatron/squeue"))
+
+    def request_status(self, request_id: str) -> dict[str, Any]:
+        """One generate request's status and result (NotFound for an unknown id)."""
+        return self._run(get_flow(f"/v1/generate/request/{request_id}"))
+
+    def workers(self) -> dict[str, Any]:
+        """The inference workers with the model versions each has loaded and its engine load."""
+        return self._run(get_flow("/v1/generate/workers"))
+
 
 class AsyncTrainingMethods:
     """Training methods of `AsyncScalarLM` (`_run` is the client's AsyncRunner)."""
@@ -363,3 +406,21 @@ class AsyncTrainingMethods:
     async def plot(self, job: "str | AsyncTrainingJob", path: str | Path) -> Path:
         """Write the job's loss curve as a PNG at `path`."""
         return plot_metrics(await self._run(metrics_flow(_job_id(job))), path, _title(_job_id(job)))
+
+    async def get_logs(self, job: "str | AsyncTrainingJob") -> str:
+        return await self._run(logs_flow(_job_id(job)))
+
+    async def list_checkpoints(self, job: "str | AsyncTrainingJob") -> dict[str, Any]:
+        return await self._run(checkpoints_flow(_job_id(job)))
+
+    async def get_dataset(self, job: "str | AsyncTrainingJob", limit: int = 20) -> dict[str, Any]:
+        return await self._run(dataset_flow(_job_id(job), limit))
+
+    async def squeue(self) -> dict[str, Any]:
+        return await self._run(get_flow("/v1/megatron/squeue"))
+
+    async def request_status(self, request_id: str) -> dict[str, Any]:
+        return await self._run(get_flow(f"/v1/generate/request/{request_id}"))
+
+    async def workers(self) -> dict[str, Any]:
+        return await self._run(get_flow("/v1/generate/workers"))

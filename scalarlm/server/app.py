@@ -31,7 +31,7 @@ from scalarlm.checkpoint.keys import worker_key
 from scalarlm.launcher.base import notify_key
 from scalarlm.server.limits import KeyUsage
 from scalarlm.server.shutdown import Drain, DrainMiddleware
-from scalarlm.server.routers import catalog, generate, health, metrics, openai, sessions, training
+from scalarlm.server.routers import catalog, console, generate, health, metrics, openai, operator, sessions, training
 from scalarlm.server.sessions import RLSessions
 from scalarlm.server.telemetry import HttpMetricsMiddleware, ServerMetrics
 
@@ -66,10 +66,11 @@ def create_app(settings: Settings, worker: EmbeddedWorker | None = None) -> Fast
     app.state.usage = KeyUsage.open(settings.home / "usage.sqlite")  # per-key counts survive a restart
     app.state.drain = Drain()
     install_error_handlers(app)
-    routers = (generate.router, openai.router, training.router, training.alias_router, sessions.router, catalog.router)
+    routers = (generate.router, openai.router, training.router, training.alias_router, sessions.router, catalog.router,
+               operator.router)
     for router in routers:
         app.include_router(router, dependencies=[Depends(require_api_key)])
-    for router in (health.router, metrics.router):  # open to probes and scrapers
+    for router in (health.router, metrics.router, console.router):  # open to probes and scrapers; the console holds no data
         app.include_router(router)
     # Added innermost first: metrics count every answer, including 413s and the 503s of a draining server.
     app.add_middleware(DrainMiddleware, drain=app.state.drain)
