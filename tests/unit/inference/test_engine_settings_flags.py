@@ -1,0 +1,37 @@
+"""Every `engine` setting (and the served model's name) reaches vLLM: through the `vllm serve` argv we build, read
+back by vLLM's own parser and `AsyncEngineArgs`, as the worker starts its engine.
+
+Memory sizing (`kv_cache_bytes`, `gpu_memory_utilization`) has its own tests in test_engine_args.py.
+"""
+
+from __future__ import annotations
+
+from scalarlm.inference.process_env import configure_vllm_process_env
+
+configure_vllm_process_env()
+
+from scalarlm.config import Settings  # noqa: E402
+from scalarlm.inference.engine import parse_serve_args  # noqa: E402
+from scalarlm.inference.vllm_api import AsyncEngineArgs  # noqa: E402
+
+
+def _engine_args(tmp_path, **sections) -> AsyncEngineArgs:
+    settings = Settings(model=str(tmp_path), home=tmp_path, **sections)
+    return AsyncEngineArgs.from_cli_args(parse_serve_args(settings, "cpu"))
+
+
+def test_engine_settings_are_the_engine_args_vllm_reads(tmp_path) -> None:
+    engine = dict(max_model_len=96, dtype="bfloat16", max_num_seqs=7, tensor_parallel_size=2, seed=11,
+                  enforce_eager=False, enable_lora=True, max_loras=3, max_lora_rank=32)  # fmt: skip
+    args = _engine_args(tmp_path, served_model_name="served-tiny", engine=engine)
+    assert (args.model, args.served_model_name) == (str(tmp_path), ["served-tiny"])
+    assert (args.max_model_len, args.dtype, args.max_num_seqs) == (96, "bfloat16", 7)
+    assert (args.tensor_parallel_size, args.seed, args.enforce_eager) == (2, 11, False)
+    assert (args.enable_lora, args.max_loras, args.max_lora_rank) == (True, 3, 32)
+
+
+def test_defaults_and_lora_off(tmp_path) -> None:
+    args = _engine_args(tmp_path, engine={"enable_lora": False, "max_loras": 9})
+    assert args.enforce_eager is True and args.dtype == "float32" and args.max_model_len == 512
+    assert not args.enable_lora and args.max_loras != 9  # no LoRA: vLLM's own default, ours not passed
+    assert args.served_model_name == [tmp_path.name]  # no served_model_name: the model directory's name

@@ -1,0 +1,348 @@
+"""Every train arg and every setting either does something a test shows, or is refused with a 400 naming it.
+
+The fields are read from the pydantic models at test time, so a field added later fails here until it gets a
+REFUSAL case (run inline below) or EVIDENCE: the node ids of tests that show its effect on what users see (a loss
+curve, a file, a status, an answer, a flag passed to vLLM). This file only checks that each cited test still exists
+(its file defines that function), so the evidence cannot silently rot; it never runs them. Fields that neither
+do something a test shows nor are refused are listed in KNOWN_GAPS with the reason, so the gap stays visible.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from scalarlm.config import Settings, TrainingSettings
+from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.protocol.training import TrainArgs
+from scalarlm.server.jobs import parse_train_args
+
+REPO = Path(__file__).resolve().parents[2]
+ROOTS: dict[str, type[BaseModel]] = {"TrainArgs": TrainArgs, "Settings": Settings}
+
+# Train args refused with a 400 naming them (through the control plane's `parse_train_args`): the value sent and
+# the text the message must contain.
+REFUSALS: dict[str, tuple[dict[str, Any], str]] = {
+    "TrainArgs.trust_remote_code": ({"trust_remote_code": True}, "trust_remote_code"),
+    "TrainArgs.distribution_strategy": ({"distribution_strategy": "fsdp"}, "distribution_strategy"),
+    "TrainArgs.dtype": ({"dtype": "float16"}, "dtype"),
+    "TrainArgs.training_mode": ({"training_mode": "embedding"}, "training_mode"),  # only "language_model" exists
+}
+# More refusals of fields that also have evidence (values of theirs the trainer does not run).
+MORE_REFUSALS: list[tuple[dict[str, Any], str]] = [
+    ({"distribution_strategy": "ddp", "tensor_parallel_size": 2, "cpu_ranks": 2}, "distribution_strategy 'ddp'"),
+    ({"dtype": "bfloat16", "gpus": 0}, "dtype 'bfloat16'"),
+    ({"adapter_type": "tokenformer"}, "adapter_type"),
+    ({"tensor_parallel_size": 2, "cpu_ranks": 3}, "tensor_parallel_size"),
+]
+
+ENGINE_FLAGS = "tests/unit/inference/test_engine_settings_flags.py::test_engine_settings_are_the_engine_args_vllm_reads"
+SFT_JOB = "tests/integration/training/test_sft_jobs.py::test_sft_memorises_and_publishes_hf_checkpoint"
+LORA_JOB = "tests/integration/training/test_lora.py::test_lora_sft_memorises_and_publishes_a_peft_adapter"
+GRPO_JOB = "tests/integration/training/test_grpo_job.py::test_grpo_lora_job_prefers_rewarded_completions"
+SCHEDULE = "tests/unit/training/test_schedule.py::test_warmup_then_decay"
+SBATCH_GPU = "tests/unit/launcher/test_sbatch_script.py::test_gpu_job_asks_for_gpus_per_node_on_every_node"
+RESOURCES = ("tests/integration/training_api/test_train_routes.py::"
+             "test_resources_a_job_leaves_out_come_from_the_training_settings")
+TIME_LIMIT = "tests/integration/training_api/test_train_routes.py::test_time_limit_is_the_job_timeout_capped_by_max_train_seconds"
+SPLIT_MODE = "tests/integration/inference/test_split_mode.py::test_batch_and_openai_through_split_mode"
+STOP_RESUME = "tests/unit/launcher/test_stop_and_resume.py"
+GENERATE = "tests/unit/server/test_generate_settings.py"
+
+# Field -> tests that show its effect. A comment says what each shows where the test name does not.
+EVIDENCE: dict[str, list[str]] = {
+    # ---- train args ----
+    "TrainArgs.llm_name": [  # the job trains and publishes the named (hub-cached) model
+        "tests/integration/training/test_real_checkpoints.py::test_a_cached_hub_id_trains_and_publishes_a_real_checkpoint",
+        "tests/integration/training/test_real_checkpoints.py::test_an_uncached_hub_id_is_a_400_naming_it_and_nothing_is_written",
+    ],
+    "TrainArgs.max_steps": [SFT_JOB],  # status.step, metrics rows and the last checkpoint are max_steps
+    "TrainArgs.learning_rate": [SCHEDULE],  # the peak of the lr the loop steps with
+    "TrainArgs.batch_size": [
+        GRPO_JOB,  # batch_size 3 = three whole groups (9 rows) per step, in the metrics
+        "tests/unit/training/test_data.py::test_dp_ranks_split_the_global_batch_and_share_its_token_count",
+    ],
+    "TrainArgs.gradient_accumulation_steps": [
+        # slow: batch 1 x accum 2 x DP 2 gives the loss curve of batch 4 on one rank
+        "tests/integration/training/test_sft_jobs.py::test_dp2_under_mpirun_matches_one_rank",
+        "tests/unit/training/test_data.py::test_dp_ranks_split_the_global_batch_and_share_its_token_count",
+    ],
+    "TrainArgs.gradient_checkpointing": [
+        "tests/integration/training/test_sft_jobs.py::test_gradient_checkpointing_recomputes_activations_with_the_same_gradients",
+        "tests/integration/training/test_sft_jobs.py::test_gradient_checkpointing_job_reproduces_the_loss_curve",
+    ],
+    "TrainArgs.warmup_steps": [SCHEDULE],
+    "TrainArgs.steps_per_checkpoint": [SFT_JOB],  # manifests at steps 10, 20, ... with steps_per_checkpoint=10
+    "TrainArgs.gpus": [
+        SBATCH_GPU,  # --gres=gpu:N and one task per GPU
+        "tests/integration/training_api/test_train_routes.py::test_an_embedded_nodes_gpu_job_gets_the_trainers_share_of_each_gpu",
+    ],
+    "TrainArgs.nodes": [SBATCH_GPU],  # --nodes in the sbatch script
+    "TrainArgs.adapter_type": [SFT_JOB, LORA_JOB],  # "full": an HF checkpoint; "lora": a PEFT adapter only
+    "TrainArgs.lora_config.r": [LORA_JOB],  # adapter_config.json r / lora_alpha
+    "TrainArgs.lora_config.alpha": [LORA_JOB],
+    "TrainArgs.lora_config.target_modules": [
+        LORA_JOB,
+        "tests/integration/training_api/test_model_refusals.py::test_lora_targets_and_tensor_parallel_are_checked_for_the_family",
+    ],
+    "TrainArgs.timeout": [
+        "tests/integration/training_api/test_real_training.py::test_time_limit_saves_state_and_fails_the_job_saying_so",
+        TIME_LIMIT,
+        "tests/unit/launcher/test_sbatch_script.py::test_time_limit_is_capped_by_the_server_setting",
+    ],
+    "TrainArgs.seed": [  # loop.py hands args.seed to the block stream (and torch.manual_seed in job.py)
+        "tests/unit/training/test_data.py::test_block_stream_is_seeded_reshuffles_each_epoch_and_resumes_exactly",
+    ],
+    "TrainArgs.tensor_parallel_size": [
+        SBATCH_GPU,  # "8 ranks, tensor_parallel_size=2, data_parallel_size=4"
+        RESOURCES,  # a GPU cluster gives a job one GPU per tensor-parallel rank
+        "tests/unit/launcher/test_sbatch_script.py::test_tensor_parallel_group_must_fit_in_a_node",
+    ],
+    "TrainArgs.cpu_ranks": [
+        "tests/integration/training_api/test_real_training.py::test_two_cpu_ranks_run_under_mpirun",
+    ],
+    "TrainArgs.launcher": [  # slurm-marked: runs only where the SLURM test cluster is
+        "tests/integration/slurm/test_slurm_training.py::test_training_job_on_slurm_completes_and_publishes",
+    ],
+    "TrainArgs.lr_schedule": [SCHEDULE],
+    "TrainArgs.min_lr_ratio": [SCHEDULE],
+    "TrainArgs.weight_decay": ["tests/unit/training/test_optim.py::test_weight_decay_shrinks_matrices_only"],
+    "TrainArgs.max_grad_norm": ["tests/unit/training/test_optim.py::test_max_grad_norm_clips_the_global_norm"],
+    "TrainArgs.max_seq_len": [SFT_JOB],  # the long row is cut to max_seq_len: details.data.truncated_rows == 1
+    "TrainArgs.pack": [  # loop.py hands args.pack to the block stream's pack()
+        "tests/unit/training/test_data.py::test_packed_documents_do_not_attend_across_and_positions_restart",
+    ],
+    "TrainArgs.shuffle": [  # the default (True): each epoch's blocks in a new, seeded order
+        "tests/unit/training/test_data.py::test_block_stream_is_seeded_reshuffles_each_epoch_and_resumes_exactly",
+    ],
+    "TrainArgs.loss": [GRPO_JOB, SFT_JOB, "tests/unit/training/test_grpo.py::test_advantages_match_numpy"],
+    "TrainArgs.kl_coef": [
+        GRPO_JOB,  # kl_coef 0.01: a kl metric, 0 at the first step and > 0 after
+        "tests/unit/training/test_grpo.py::test_clipped_objective_matches_numpy",
+    ],
+    "TrainArgs.clip_eps": [  # rl_step.py passes args.clip_eps as the objective's clip range
+        "tests/unit/training/test_grpo.py::test_clipped_objective_matches_numpy",
+    ],
+    "TrainArgs.publish_dtype": [
+        # "source" (the default): a bf16 base trained in fp32 is published in bf16
+        "tests/integration/training/test_real_checkpoints.py::test_a_cached_hub_id_trains_and_publishes_a_real_checkpoint",
+        "tests/unit/training/test_hf_io.py::test_publish_keeps_source_dtypes_and_shards",
+    ],
+    # ---- settings, top level ----
+    "Settings.model": [ENGINE_FLAGS, "tests/unit/server/test_server_generate.py::test_default_max_tokens_and_base_model_by_path"],
+    "Settings.home": [
+        "tests/unit/test_config.py::test_defaults_are_cpu_safe",  # the queue file lives under home
+        # the same home keeps the queue (and its leases) across a restart
+        "tests/unit/server/test_server_openai.py::test_embedded_restart_requeues_leases_of_the_dead_worker",
+    ],
+    "Settings.served_model_name": [
+        ENGINE_FLAGS,
+        "tests/unit/inference/test_engine_settings_flags.py::test_defaults_and_lora_off",
+        "tests/unit/server/test_server_openai.py::test_models_health_and_embedded_worker_lifecycle",  # /v1/models id
+    ],
+    "Settings.hf_cache": [
+        "tests/unit/checkpoint/test_hub_cache.py::test_settings_serve_a_hub_id_from_its_snapshot_under_its_name",
+    ],
+    # ---- server ----
+    "Settings.server.host": [
+        "tests/unit/cli/test_main.py::test_public_host_without_keys_is_refused",
+        "tests/unit/launcher/test_notify_env.py::test_remote_trainers_use_a_configured_api_url_or_this_host",
+    ],
+    "Settings.server.port": [
+        "tests/unit/cli/test_serve_port.py::test_port_zero_becomes_the_bound_port_in_settings",
+        "tests/unit/launcher/test_notify_env.py::test_notify_url_is_this_servers_bound_port_whatever_the_role",
+    ],
+    "Settings.server.role": [
+        SPLIT_MODE,
+        "tests/integration/training_api/test_train_routes.py::test_an_embedded_nodes_gpu_job_gets_the_trainers_share_of_each_gpu",
+        "tests/unit/inference/test_engine_args.py::test_shared_gpus_get_the_stated_split",
+    ],
+    "Settings.server.api_url": [
+        "tests/unit/launcher/test_notify_env.py::test_remote_trainers_use_a_configured_api_url_or_this_host",
+        "tests/integration/cluster/test_split_cluster.py::test_streaming_goes_through_the_api_to_a_remote_worker",
+    ],
+    "Settings.server.worker_urls": [SPLIT_MODE],  # the api forwards OpenAI requests to the worker listed there
+    "Settings.server.worker_port": [
+        "tests/unit/cli/test_main.py::test_serve_flags_override_file_and_defaults",  # `--role worker --port` sets it
+        # workers started that way listen there and the api reaches them
+        "tests/integration/cluster/test_split_cluster.py::test_streaming_goes_through_the_api_to_a_remote_worker",
+    ],
+    "Settings.server.api_keys": ["tests/unit/server/test_server_auth.py::test_api_keys_guard_every_route_but_health"],
+    "Settings.server.api_keys_file": [
+        "tests/unit/server/test_auth_internal_key.py::test_internal_key_only_announces_published_steps",
+        "tests/integration/loop/test_catalog.py::test_published_notice_needs_the_admin_scope_when_keys_are_on",
+    ],
+    "Settings.server.worker_key_file": [  # app.py and worker_app.py read the key through worker_key(home, file)
+        "tests/unit/server/test_auth_internal_key.py::test_worker_key_from_a_mounted_file_wins",
+    ],
+    "Settings.server.allow_insecure_public": ["tests/unit/cli/test_main.py::test_public_host_without_keys_is_refused"],
+    "Settings.server.shutdown_seconds": [  # 503 while draining, exit within the drain bound
+        "tests/security/test_load_and_shutdown.py::test_sigterm_drains_then_sigkill_and_restart_lose_nothing",
+        "tests/security/test_shutdown_resume.py::test_sigterm_checkpoints_the_trainer_and_restart_resumes_it",
+    ],
+    "Settings.server.admit_factor": ["tests/unit/server/test_server_openai.py::test_beyond_capacity_is_429_with_retry_after"],
+    # ---- engine (the flags vLLM is started with; their effect on a GPU cannot be shown on this CPU box) ----
+    "Settings.engine.max_model_len": [
+        ENGINE_FLAGS,
+        "tests/unit/server/test_server_bad_input.py::test_bad_generate_requests",  # a longer prompt is a 400
+    ],
+    "Settings.engine.dtype": [ENGINE_FLAGS],
+    "Settings.engine.kv_cache_bytes": [
+        "tests/unit/inference/test_engine_args.py::test_cpu_keeps_a_user_kv_cache_size",
+        "tests/unit/inference/test_engine_args.py::test_accelerator_user_settings_win",
+    ],
+    "Settings.engine.max_num_seqs": [ENGINE_FLAGS],
+    "Settings.engine.enforce_eager": [ENGINE_FLAGS],
+    "Settings.engine.tensor_parallel_size": [ENGINE_FLAGS],  # TP > 1 serving needs several accelerators
+    "Settings.engine.gpu_memory_utilization": [  # GPU only: the flag reaching vLLM's engine args is what CPU shows
+        "tests/unit/inference/test_engine_args.py::test_accelerator_user_settings_win",
+        "tests/unit/inference/test_engine_args.py::test_split_adds_up_with_headroom",
+    ],
+    "Settings.engine.enable_lora": [ENGINE_FLAGS, "tests/unit/inference/test_engine_settings_flags.py::test_defaults_and_lora_off"],
+    "Settings.engine.max_loras": [ENGINE_FLAGS],
+    "Settings.engine.max_lora_rank": [ENGINE_FLAGS],
+    "Settings.engine.seed": [ENGINE_FLAGS],
+    # ---- generate ----
+    "Settings.generate.response_timeout": [
+        f"{GENERATE}::test_long_polls_wait_response_timeout_by_default_and_never_past_max_wait_seconds",
+    ],
+    "Settings.generate.max_wait_seconds": [
+        f"{GENERATE}::test_long_polls_wait_response_timeout_by_default_and_never_past_max_wait_seconds",
+    ],
+    "Settings.generate.default_max_tokens": [
+        f"{GENERATE}::test_default_max_tokens_is_what_a_prompt_without_one_gets",
+        "tests/unit/inference/test_sampling.py::test_defaults_are_greedy_with_configured_max_tokens",
+    ],
+    "Settings.generate.lease_seconds": [f"{GENERATE}::test_leases_hold_at_most_max_lease_batch_for_lease_seconds"],
+    "Settings.generate.max_batch_prompts": [
+        "tests/unit/server/test_server_bad_input.py::test_batch_size_limit_applies_to_json_and_upload",
+    ],
+    "Settings.generate.max_lease_batch": [f"{GENERATE}::test_leases_hold_at_most_max_lease_batch_for_lease_seconds"],
+    "Settings.generate.result_retention_seconds": [
+        f"{GENERATE}::test_finished_results_are_deleted_after_result_retention_seconds",
+    ],
+    "Settings.generate.housekeeping_interval": [
+        f"{GENERATE}::test_finished_results_are_deleted_after_result_retention_seconds",
+    ],
+    # ---- upload (tests/unit/server/conftest.py sets 64 KiB uploads and 256 KiB request bodies) ----
+    "Settings.upload.max_request_bytes": ["tests/unit/server/test_server_bad_input.py::test_oversized_json_body_is_413"],
+    "Settings.upload.max_upload_bytes": [
+        "tests/unit/server/test_server_bad_input.py::test_oversized_upload_is_413_declared_or_streamed",
+        "tests/integration/training_api/test_chunked_upload.py::test_upload_limits_are_413",
+    ],
+    "Settings.upload.max_chunk_bytes": ["tests/integration/training_api/test_chunked_upload.py::test_upload_limits_are_413"],
+    # ---- training ----
+    "Settings.training.launcher": [
+        "tests/unit/inference/test_engine_args.py::test_shared_gpus_get_the_stated_split",  # local: vLLM gets 0.40
+        "tests/integration/slurm/test_slurm_training.py::test_training_job_on_slurm_completes_and_publishes",
+    ],
+    "Settings.training.max_train_seconds": [
+        TIME_LIMIT,
+        "tests/unit/launcher/test_sbatch_script.py::test_time_limit_is_capped_by_the_server_setting",
+    ],
+    "Settings.training.cpu_ranks": [RESOURCES],  # the cpu_ranks of a job that sends none
+    "Settings.training.gpus_per_node": [
+        RESOURCES,
+        "tests/unit/launcher/test_sbatch_script.py::test_gpus_beyond_a_node_are_refused",
+        "tests/unit/server/test_cluster_counts.py::test_gpu_and_node_counts_follow_the_training_settings",
+    ],
+    "Settings.training.nodes": [
+        "tests/unit/server/test_cluster_counts.py::test_gpu_and_node_counts_follow_the_training_settings",
+    ],
+    "Settings.training.poll_seconds": ["tests/integration/loop/test_catalog.py::test_poll_picks_up_steps_without_a_notice"],
+    "Settings.training.session_idle_seconds": [
+        "tests/integration/loop/test_session_idle.py::test_idle_session_ends_itself_with_state_saved",
+        "tests/unit/training/test_session_poll.py::test_idle_reason_names_the_setting_and_the_saved_step",
+    ],
+    "Settings.training.on_shutdown": [f"{STOP_RESUME}::test_control_plane_exit_stops_or_leaves_its_trainers"],
+    "Settings.training.stop_grace_seconds": [
+        "tests/unit/launcher/test_stop_grace_setting.py::test_a_trainer_ignoring_sigterm_is_killed_after_stop_grace_seconds",
+    ],
+    "Settings.training.resume": [
+        f"{STOP_RESUME}::test_resume_none_reports_interrupted_jobs_failed_with_the_way_back",
+        f"{STOP_RESUME}::test_restarted_control_plane_resumes_interrupted_jobs",
+        f"{STOP_RESUME}::test_crashed_jobs_resume_only_when_configured_and_at_most_max_resumes",
+    ],
+    "Settings.training.max_resumes": [f"{STOP_RESUME}::test_crashed_jobs_resume_only_when_configured_and_at_most_max_resumes"],
+}
+
+# Accepted fields no test shows doing anything (and no refusal): what the code does with each, and why it is open.
+KNOWN_GAPS: dict[str, str] = {
+    "TrainArgs.max_token_block_size": "used as the block length instead of max_seq_len (training/loop.py) when set; "
+                                      "no test sets it",
+    "TrainArgs.steps_per_publish": "publish cadence (TrainArgs.publish_every, training/loop.py); no test shows a "
+                                   "job publishing at steps_per_publish rather than steps_per_checkpoint",
+    "TrainArgs.lora_config.dropout": "dropout on the LoRA input (training/lora.py) and lora_dropout in "
+                                     "adapter_config.json; no test sets it above 0",
+    "Settings.log_level": "sets the root logger and uvicorn level in cli/serve.py and worker_app.py; no test, and any "
+                          "string is accepted (an unknown level fails only when serve starts)",
+    "Settings.generate.poll_interval": "the worker pull loop's idle poll delay (inference/pull_loop.py); no test "
+                                       "shows it",
+}
+
+
+def _walk(model: type[BaseModel], prefix: str) -> list[str]:
+    """Dotted names of every leaf field: a field whose type is itself a pydantic model is a section, walked into."""
+    names = []
+    for name, field in model.model_fields.items():
+        kind = field.annotation
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            names += _walk(kind, f"{prefix}.{name}")
+        else:
+            names.append(f"{prefix}.{name}")
+    return names
+
+
+def every_field() -> set[str]:
+    return {name for root, model in ROOTS.items() for name in _walk(model, root)}
+
+
+def _defines(node_id: str) -> bool:
+    path, _, name = node_id.partition("::")
+    file = REPO / path
+    return file.is_file() and re.search(rf"^(async )?def {re.escape(name)}\(", file.read_text(), re.M) is not None
+
+
+def test_the_walk_reaches_every_section() -> None:
+    fields = every_field()
+    for section in ("lora_config", "server", "engine", "generate", "upload", "training"):
+        assert any(f".{section}." in f for f in fields), section
+    assert "Settings.engine" not in fields and "TrainArgs.lora_config" not in fields  # sections are not leaves
+
+
+def test_every_field_has_evidence_a_refusal_or_is_a_known_gap() -> None:
+    fields = every_field()
+    covered = set(EVIDENCE) | set(REFUSALS)
+    missing = sorted(fields - covered - set(KNOWN_GAPS))
+    assert not missing, (
+        f"fields with no evidence and no refusal: {missing}. Add the node ids of tests that show each one's effect "
+        "to EVIDENCE in tests/unit/test_every_setting.py, or a value refused with a 400 to REFUSALS"
+    )
+    assert set(KNOWN_GAPS) == fields - covered, "KNOWN_GAPS must be exactly the fields without evidence or refusal"
+    stale = sorted((covered | set(KNOWN_GAPS)) - fields)
+    assert not stale, f"entries for fields that no longer exist: {stale}"
+
+
+def test_every_cited_test_exists() -> None:
+    rotten = sorted({node for nodes in EVIDENCE.values() for node in nodes if not _defines(node)})
+    assert not rotten, f"cited tests that no longer exist (file gone or no `def <name>` in it): {rotten}"
+    assert all(EVIDENCE.values()), "every EVIDENCE entry cites at least one test"
+
+
+@pytest.mark.parametrize("field", sorted(REFUSALS))
+def test_refused_values_are_a_400_naming_the_field(field: str) -> None:
+    params, named = REFUSALS[field]
+    with pytest.raises(InvalidRequest) as refused:
+        parse_train_args(params, TrainingSettings())
+    assert refused.value.status_code == 400 and named in refused.value.message, refused.value.message
+
+
+@pytest.mark.parametrize(("params", "named"), MORE_REFUSALS, ids=[m[1] for m in MORE_REFUSALS])
+def test_values_the_trainer_does_not_run_are_a_400_naming_them(params: dict[str, Any], named: str) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        parse_train_args(params, TrainingSettings())
+    assert refused.value.status_code == 400 and named in refused.value.message, refused.value.message
