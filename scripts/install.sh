@@ -7,13 +7,14 @@ cd "$(dirname "$0")/.."
 need_apt=()
 command -v mpirun >/dev/null 2>&1 || need_apt+=(openmpi-bin libopenmpi-dev)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)  # network namespaces of the split-cluster tests
+command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)  # the web console's headless browser test
 if ((${#need_apt[@]})); then
   if [ "$(id -u)" = 0 ]; then
     echo "install: apt-get ${need_apt[*]}"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
   else
-    echo "install: missing ${need_apt[*]}; run as root or install them (Open MPI is needed for multi-rank training)" >&2
+    echo "install: missing ${need_apt[*]}; run as root or install them (Open MPI is needed for multi-rank training, chromium for the console test)" >&2
   fi
 fi
 

@@ -2,8 +2,8 @@
 
 The merge reads and writes safetensors files directly (NumPy only; the control plane imports no torch) and
 computes what PEFT's `merge_and_unload()` does on CPU: `W + (B @ A) * scaling` per adapted linear layer, with
-`scaling = lora_alpha / r` (`/ sqrt(r)` with rsLoRA). fp32 weights are merged in fp32; bf16/fp16 weights as PEFT
-does on CPU: the delta is computed in fp32, rounded to the weight's dtype, then added and rounded again.
+`scaling = lora_alpha / r` (`/ sqrt(r)` with rsLoRA). The delta is computed in fp32 (PEFT loads adapters in fp32)
+and the sum rounded once to the weight's dtype (bf16 round-to-nearest-even, as torch casts).
 A merged export keeps the base model's file layout (shards and index), its config and tokenizer files.
 `tar_stream` yields an uncompressed tar of a directory chunk by chunk, so an export streams without a copy.
 """
@@ -88,14 +88,14 @@ def _f32_to_bf16(values: np.ndarray) -> np.ndarray:
 
 
 def add_delta(dtype: str, weight: np.ndarray, delta: np.ndarray) -> np.ndarray:
-    """`weight + delta` in the weight's dtype, rounded as PEFT's CPU merge rounds (delta first, then the sum)."""
+    """`weight + delta` computed in fp32 and rounded once to the weight's dtype, as PEFT's merge does (it loads
+    adapters in fp32, so its `weight.data += delta` promotes to fp32 and rounds the sum)."""
     if dtype == "F32":
         return (weight + delta.astype(np.float32)).astype(np.float32)
     if dtype == "BF16":
-        delta_bf16 = _bf16_to_f32(_f32_to_bf16(delta))
-        return _f32_to_bf16(_bf16_to_f32(weight) + delta_bf16)
+        return _f32_to_bf16(_bf16_to_f32(weight) + delta)
     if dtype == "F16":
-        return (weight.astype(np.float32) + delta.astype(np.float16).astype(np.float32)).astype(np.float16)
+        return (weight.astype(np.float32) + delta).astype(np.float16)
     raise InvalidRequest(f"cannot merge LoRA into a {dtype} weight")
 
 

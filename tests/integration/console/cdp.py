@@ -7,6 +7,7 @@ user does (real input events), and take a PNG screenshot.
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import json
 import re
@@ -45,7 +46,9 @@ class Browser:
         endpoint = self._endpoint()
         port = re.search(r":(\d+)/", endpoint).group(1)  # type: ignore[union-attr]
         pages = [t for t in httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=10).json() if t["type"] == "page"]
-        self.ws = connect(pages[0]["webSocketDebuggerUrl"], max_size=64 << 20, open_timeout=20)
+        self._stack = contextlib.ExitStack()
+        self.ws = self._stack.enter_context(connect(pages[0]["webSocketDebuggerUrl"], max_size=64 << 20,
+                                                    open_timeout=20))  # fmt: skip
         self._ids = itertools.count(1)
         self.console: list[str] = []
         self.requests: list[dict[str, Any]] = []
@@ -130,7 +133,7 @@ class Browser:
 
     def close(self) -> None:
         try:
-            self.ws.close()
+            self._stack.close()
         finally:
             self.proc.terminate()
             try:
