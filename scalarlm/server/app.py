@@ -32,6 +32,7 @@ from scalarlm.launcher.base import notify_key
 from scalarlm.server.limits import KeyUsage
 from scalarlm.server.shutdown import Drain, DrainMiddleware
 from scalarlm.server.routers import catalog, console, generate, health, metrics, openai, operator, sessions, training
+from scalarlm.server.routers import tinker
 from scalarlm.server.sessions import RLSessions
 from scalarlm.server.telemetry import HttpMetricsMiddleware, ServerMetrics
 
@@ -70,7 +71,8 @@ def create_app(settings: Settings, worker: EmbeddedWorker | None = None) -> Fast
                operator.router)
     for router in routers:
         app.include_router(router, dependencies=[Depends(require_api_key)])
-    for router in (health.router, metrics.router, console.router):  # open to probes and scrapers; the console holds no data
+    app.include_router(tinker.router)  # its own key check: the tinker SDK sends X-API-Key
+    for router in (health.router, metrics.router, console.router, tinker.open_router):  # open to probes and scrapers; the console holds no data
         app.include_router(router)
     # Added innermost first: metrics count every answer, including 413s and the 503s of a draining server.
     app.add_middleware(DrainMiddleware, drain=app.state.drain)

@@ -37,6 +37,7 @@ from scalarlm.protocol.training import SessionStepResult
 from scalarlm.training.data import StepBatch, _cross_doc_targets, encode_rows, pack
 from scalarlm.training.rl_step import grpo_step
 from scalarlm.training.rows import parse_row
+from scalarlm.training.tinker_ops import is_op_request, run_op
 
 if TYPE_CHECKING:
     from scalarlm.training.loop import Trainer
@@ -163,8 +164,11 @@ def _serve(trainer: "Trainer", files: SessionDir, k: int, on_step: Callable[[dic
     started = time.time()
     current = trainer.step
     generated = staleness = None
+    rows = files.read_request(k) or []
+    if is_op_request(rows):
+        _serve_op(trainer, files, k, rows[0], on_step, started)
+        return
     try:
-        rows = files.read_request(k) or []
         generated = batch_version(files.read_meta(k).version, rows)
         staleness = None if generated is None else current - generated
         check_staleness(trainer, rows, generated)
@@ -187,6 +191,29 @@ def _serve(trainer: "Trainer", files: SessionDir, k: int, on_step: Callable[[dic
         files.write_result(k, SessionStepResult(
             step=trainer.step, version=trainer.step, loss=metrics["loss"], metrics=_plain(metrics), request=k,
             generated_version=generated, staleness=staleness, started=started, finished=time.time(),
+        ))  # fmt: skip
+
+
+def _serve_op(trainer: "Trainer", files: SessionDir, k: int, request: dict[str, Any],
+              on_step: Callable[[dict[str, Any]], None], started: float) -> None:
+    """A Tinker primitive (tinker_ops.py): its outputs go in the result's metrics; a bad one is an error result."""
+    try:
+        answer = run_op(trainer, request)
+    except (ScalarLMError, ValidationError, ValueError, KeyError, TypeError) as e:
+        logger.warning("session request %d (%s) rejected: %s", k, request.get("op"), e)
+        if trainer.par.is_main:
+            files.write_result(k, SessionStepResult(
+                step=trainer.step, version=trainer.step, error=str(getattr(e, "message", None) or e),
+                error_type="invalid", request=k, started=started, finished=time.time(),
+            ))  # fmt: skip
+        return
+    if request.get("op") == "optim_step":
+        on_step({"step": trainer.step, "loss": answer["loss"], "tokens_per_second": 0.0, "time": time.time(),
+                 **answer["metrics"]})  # fmt: skip
+    if trainer.par.is_main:
+        files.write_result(k, SessionStepResult(
+            step=trainer.step, version=answer.get("version", trainer.step), loss=answer.get("loss"),
+            metrics={"op": request.get("op"), **answer}, request=k, started=started, finished=time.time(),
         ))  # fmt: skip
 
 

@@ -1,0 +1,224 @@
+"""What the Tinker routes do: training clients are RL-session trainers, samplers are published versions, and every
+long call is a future the SDK polls.
+
+* A training client (`create_model`) is one session trainer (`server/sessions.py`), its model id the session's
+  job id; each primitive is one request file of that session (`{"op": ...}`, `training/tinker_ops.py`), written in
+  arrival order (the SDK submits in order), answered in order by the trainer. Being files in the job dir, a model
+  id stays valid across a control-plane restart.
+* `save_weights_for_sampler` publishes `checkpoints/step-<N>` (hot-swap serves it like any trained model); a
+  sampler is (model, version) and samples through the same engine as `/v1/generate` and `/v1/completions`.
+* Futures are asyncio tasks kept in memory by request id (`retrieve_future` long-polls one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any
+
+from scalarlm.checkpoint.session import SessionDir
+from scalarlm.protocol.errors import InvalidRequest, NotFound, ScalarLMError
+from scalarlm.protocol.training import SessionCreateRequest
+from scalarlm.server.models import ModelCatalog
+from scalarlm.server.routers.tinker import wire
+from scalarlm.server.sessions import RLSessions
+
+logger = logging.getLogger(__name__)
+
+# Futures kept after completion, newest last (the SDK may retrieve one more than once on retries).
+MAX_FUTURES = 4096
+RETRIEVE_WAIT_SECONDS = 20.0
+OP_WAIT_SECONDS = 3600.0
+SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+PATH_PREFIX = "tinker://"
+
+
+@dataclass
+class Sampler:
+    """What a sampling session samples: a model name in the catalog at one version (0: the base)."""
+
+    model: str
+    version: int
+    base_model: str
+    path: str | None = None
+
+
+class TinkerService:
+    """Training clients, samplers and futures of one control plane."""
+
+    def __init__(self, sessions: RLSessions, catalog: ModelCatalog) -> None:
+        self.sessions = sessions
+        self.catalog = catalog
+        self.futures: OrderedDict[str, asyncio.Task[Any]] = OrderedDict()
+        self.samplers: dict[str, Sampler] = {}
+        self.named: dict[str, Sampler] = {}  # tinker://<model>/sampler_weights/<name> -> sampler
+        self.client_sessions: set[str] = set()
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    # futures
+    def future(self, work: Awaitable[Any], model_id: str | None = None, samples: int = 0) -> dict[str, Any]:
+        """Start `work`; the SDK's UntypedAPIFuture naming it (a sample's names its `samples` sequences too)."""
+        request_id = f"req-{uuid.uuid4().hex}"
+        self.futures[request_id] = asyncio.ensure_future(work)
+        while len(self.futures) > MAX_FUTURES:
+            _, old = self.futures.popitem(last=False)
+            old.cancel()
+        future: dict[str, Any] = {"request_id": request_id, "model_id": model_id}
+        if samples:
+            future["sample_sequence_ids"] = [f"{request_id}-{i}" for i in range(samples)]
+        return future
+
+    async def retrieve(self, request_id: str) -> dict[str, Any] | bytes:
+        """The future's result (JSON or protobuf bytes), `try_again` while it runs, or its error."""
+        task = self.futures.get(request_id)
+        if task is None:
+            raise NotFound(f"no future {request_id!r} on this server", param="request_id")
+        await asyncio.wait({task}, timeout=RETRIEVE_WAIT_SECONDS)
+        if not task.done():
+            return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+        if task.cancelled():
+            return {"error": f"request {request_id} was cancelled", "category": "user"}
+        error = task.exception()
+        if isinstance(error, ScalarLMError):
+            return {"error": error.message, "category": "user" if error.status_code < 500 else "server"}
+        if error is not None:
+            logger.error("tinker future %s failed: %r", request_id, error)
+            return {"error": f"{type(error).__name__}: {error}", "category": "server"}
+        return task.result()
+
+    def cancel(self, request_id: str) -> None:
+        task = self.futures.get(request_id)
+        if task is not None:
+            task.cancel()
+
+    # training clients
+    def create_model(self, base_model: str, lora: dict[str, Any] | None, metadata: dict[str, Any] | None) -> str:
+        """Launch a session trainer: LoRA of `lora["rank"]`, or full weights (our extension) with rank 0 or
+        user_metadata {"adapter_type": "full"}."""
+        base = self.catalog.resolve(base_model)
+        if base != self.catalog.base:
+            raise InvalidRequest(f"base_model {base_model!r}: training starts from the base model "
+                                 f"{self.catalog.base!r}", param="base_model")  # fmt: skip
+        full = (metadata or {}).get("adapter_type") == "full" or not lora or int(lora.get("rank", 0)) == 0
+        args: dict[str, Any] = {"adapter_type": "full", "max_steps": 10_000_000}
+        if not full:
+            assert lora is not None
+            targets = []
+            if lora.get("train_attn", True):
+                targets += ["q_proj", "k_proj", "v_proj", "o_proj"]
+            if lora.get("train_mlp", True):
+                targets += ["gate_proj", "up_proj", "down_proj"]
+            if not targets:
+                raise InvalidRequest("LoRA on the unembedding alone is not supported: set train_attn or train_mlp",
+                                     param="lora_config")  # fmt: skip
+            rank = int(lora["rank"])
+            # Tinker's LoRA scale is independent of rank (alpha = rank keeps ours at 1 x B A).
+            args.update(adapter_type="lora", lora_config={"r": rank, "alpha": float(rank), "target_modules": targets})
+            if lora.get("seed") is not None:
+                args["seed"] = int(lora["seed"])
+        created = self.sessions.create(SessionCreateRequest(train_args=args, max_staleness=1_000_000))
+        logger.info("tinker model %s: %s", created.session_id, "full weights" if full else f"LoRA {args}")
+        return created.session_id
+
+    def info(self, model_id: str) -> dict[str, Any]:
+        """get_info: the tokenizer is the base model's (a local directory or hub id the client can load)."""
+        _, config = self.sessions.session(model_id)
+        args = config.train_args
+        lora = args.adapter_type == "lora"
+        return {"type": "get_info", "model_id": model_id, "model_name": self.catalog.base, "is_lora": lora,
+                "lora_rank": args.lora_config.r if lora else None,
+                "model_data": {"arch": None, "model_name": self.catalog.base,
+                               "tokenizer_id": str(config.base_model)}}  # fmt: skip
+
+    async def op(self, model_id: str, request: dict[str, Any]) -> dict[str, Any]:
+        """Queue one primitive on the model's trainer now (in arrival order); the task waits for its answer."""
+        job, _ = await asyncio.to_thread(self.sessions.session, model_id)
+        files = SessionDir(job)
+        async with self._locks.setdefault(model_id, asyncio.Lock()):
+            k = files.next_request_index()
+            await asyncio.to_thread(files.write_request, k, [request])
+        return {"k": k}
+
+    async def answer(self, model_id: str, k: int) -> dict[str, Any]:
+        """Request k's result metrics (its error raised as InvalidRequest)."""
+        response = await self.sessions.result(model_id, k, OP_WAIT_SECONDS)
+        if response is None:
+            raise InvalidRequest(f"model {model_id}: request {k} did not finish in {OP_WAIT_SECONDS:g} s")
+        return response.metrics
+
+    async def forward_backward(self, request: dict[str, Any]) -> dict[str, Any]:
+        model_id, loss_fn = request["model_id"], request["loss_fn"]
+        if loss_fn not in SUPPORTED_LOSSES:
+            raise InvalidRequest(f"loss_fn {loss_fn!r} is not supported here; supported: "
+                                 f"{', '.join(SUPPORTED_LOSSES)}", param="loss_fn")  # fmt: skip
+        if not request["data"]:
+            raise InvalidRequest("forward_backward needs at least one datum", param="data")
+        op = "forward" if request["forward_only"] else "forward_backward"
+        queued = await self.op(model_id, {"op": op, "loss_fn": loss_fn, "loss_fn_config": request["loss_fn_config"],
+                                          "data": request["data"]})  # fmt: skip
+
+        async def work() -> bytes:
+            metrics = await self.answer(model_id, queued["k"])
+            return wire.encode_forward_backward_output(metrics["outputs"], metrics["metrics"])
+
+        return self.future(work(), model_id)
+
+    async def optim_step(self, model_id: str, adam: dict[str, Any]) -> dict[str, Any]:
+        for name, value in adam.items():
+            if name != "type" and not (isinstance(value, (int, float)) and math.isfinite(value)):
+                raise InvalidRequest(f"adam_params.{name} must be a finite number", param="adam_params")
+        queued = await self.op(model_id, {"op": "optim_step", "adam_params": adam})
+
+        async def work() -> dict[str, Any]:
+            metrics = await self.answer(model_id, queued["k"])
+            return {"type": "optim_step", "metrics": {k: float(v) for k, v in metrics["metrics"].items()}}
+
+        return self.future(work(), model_id)
+
+    async def save_for_sampler(self, model_id: str, name: str | None) -> dict[str, Any]:
+        queued = await self.op(model_id, {"op": "save_weights_for_sampler"})
+
+        async def work() -> dict[str, Any]:
+            metrics = await self.answer(model_id, queued["k"])
+            version = int(metrics["version"])
+            if version > 0:
+                await asyncio.to_thread(self.catalog.published, model_id, version)
+            sampler = Sampler(model=model_id if version > 0 else self.catalog.base, version=version,
+                              base_model=self.catalog.base)  # fmt: skip
+            if name is not None:
+                sampler.path = f"{PATH_PREFIX}{model_id}/sampler_weights/{name}"
+                self.named[sampler.path] = sampler
+                return {"type": "save_weights_for_sampler", "path": sampler.path}
+            return {"type": "save_weights_for_sampler", "sampling_session_id": self.add_sampler(sampler)}
+
+        return self.future(work(), model_id)
+
+    # samplers
+    def add_sampler(self, sampler: Sampler) -> str:
+        sampler_id = f"sampler-{uuid.uuid4().hex[:16]}"
+        self.samplers[sampler_id] = sampler
+        return sampler_id
+
+    def create_sampling_session(self, base_model: str | None, model_path: str | None) -> str:
+        if model_path:
+            sampler = self.named.get(model_path)
+            if sampler is None:
+                raise NotFound(f"no sampler weights at {model_path!r} on this server (save_weights_for_sampler "
+                               "with a name makes one)", param="model_path")  # fmt: skip
+            return self.add_sampler(Sampler(sampler.model, sampler.version, sampler.base_model, model_path))
+        base = self.catalog.resolve(base_model)
+        return self.add_sampler(Sampler(base, self.catalog.version_of(base), self.catalog.base))
+
+    def sampler(self, request: dict[str, Any]) -> Sampler:
+        """The sampler a sample request names (by session id, path or base model)."""
+        if request.get("sampling_session_id"):
+            sampler = self.samplers.get(request["sampling_session_id"])
+            if sampler is None:
+                raise NotFound(f"no sampling session {request['sampling_session_id']!r}", param="sampling_session_id")
+            return sampler
+        return self.samplers[self.create_sampling_session(request.get("base_model"), request.get("model_path"))]

@@ -1,0 +1,184 @@
+"""Tinker's training primitives on a session Trainer: forward, forward_backward (named per-token losses, gradients
+accumulated), optim_step (Adam parameters per call) and save_weights_for_sampler (publish a versioned checkpoint).
+
+A request file of a session holds one line `{"op": ..., ...}` for these (a batch of rows otherwise: the older step
+protocol, unchanged). Data follows the SDK's `Datum`: `tokens` (the model input, N ids) and `loss_fn_inputs`
+(`target_tokens`, `weights`, `logprobs`, `advantages`, each N long: position i scores target i after input[:i+1]).
+Losses are sums over tokens, as Tinker's are (its `loss:sum` metric); outputs per datum are the target tokens'
+logprobs and the per-token loss. Anything else is refused with InvalidRequest.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.training import lora
+from scalarlm.training.data import MicroBatch
+from scalarlm.training.losses import token_losses
+
+if TYPE_CHECKING:
+    from scalarlm.training.loop import Trainer
+
+OPS = ("forward", "forward_backward", "optim_step", "save_weights_for_sampler")
+
+# Inputs each loss needs beyond `target_tokens` (weights default to ones for cross_entropy).
+LOSS_INPUTS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": (),
+    "importance_sampling": ("logprobs", "advantages"),
+    "ppo": ("logprobs", "advantages"),
+    "cispo": ("logprobs", "advantages"),
+    "dro": ("logprobs", "advantages"),
+}
+
+
+def is_op_request(rows: list[dict[str, Any]]) -> bool:
+    """A Tinker primitive (one line with an "op") rather than a batch of rows to take one step on."""
+    return len(rows) == 1 and "op" in rows[0]
+
+
+def _datum_batch(tokens: list[int], targets: list[int], vocab: int, index: int) -> MicroBatch:
+    """One datum as a padding-free [1, N] micro-batch whose labels are the target tokens."""
+    n = len(tokens)
+    if n == 0 or len(targets) != n:
+        raise InvalidRequest(f"datum {index}: target_tokens has {len(targets)} entries for {n} input tokens "
+                             "(they must be equally long and not empty)", param="data")  # fmt: skip
+    bad = [t for t in (*tokens, *targets) if not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequest(f"datum {index}: token id {bad[0]} is outside the model's vocabulary [0, {vocab})",
+                             param="data")  # fmt: skip
+    row = lambda xs: torch.tensor(xs, dtype=torch.long).unsqueeze(0)  # noqa: E731
+    return MicroBatch(row(tokens), row(targets), torch.ones(1, n), row(list(range(n))), None, (0, n))
+
+
+def _input(datum: dict[str, Any], name: str, n: int, index: int, default: float | None = None) -> torch.Tensor:
+    values = datum.get("loss_fn_inputs", {}).get(name)
+    if values is None:
+        if default is None:
+            raise InvalidRequest(f"datum {index}: the loss needs loss_fn_inputs[{name!r}]", param="data")
+        return torch.full((n,), default)
+    if len(values) != n:
+        raise InvalidRequest(f"datum {index}: loss_fn_inputs[{name!r}] has {len(values)} entries for {n} tokens",
+                             param="data")  # fmt: skip
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def elementwise_loss(loss_fn: str, logp: torch.Tensor, datum: dict[str, Any], index: int,
+                     config: dict[str, float]) -> torch.Tensor:  # fmt: skip
+    """The per-token loss of `loss_fn` for one datum (its sum is the datum's loss)."""
+    n = logp.shape[0]
+    if loss_fn == "cross_entropy":
+        return -logp * _input(datum, "weights", n, index, default=1.0)
+    old = _input(datum, "logprobs", n, index)
+    adv = _input(datum, "advantages", n, index)
+    ratio = torch.exp(logp - old)
+    if loss_fn == "importance_sampling":
+        return -ratio * adv
+    low, high = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
+    if loss_fn == "ppo":
+        return -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
+    if loss_fn == "cispo":
+        return -ratio.clamp(low, high).detach() * logp * adv
+    if loss_fn == "dro":
+        beta = config.get("beta", 0.05)
+        return -(logp * adv - 0.5 * beta * (logp - old) ** 2)
+    raise InvalidRequest(f"unknown loss_fn {loss_fn!r}; supported: {', '.join(LOSS_INPUTS)}", param="loss_fn")
+
+
+def forward_backward(trainer: "Trainer", request: dict[str, Any], backward: bool) -> dict[str, Any]:
+    """Run every datum; with `backward`, add the gradient of the summed loss to the accumulated gradients."""
+    loss_fn = request.get("loss_fn", "cross_entropy")
+    if loss_fn not in LOSS_INPUTS:
+        raise InvalidRequest(f"unknown loss_fn {loss_fn!r}; supported: {', '.join(LOSS_INPUTS)}", param="loss_fn")
+    data = request.get("data") or []
+    if not data:
+        raise InvalidRequest("forward_backward needs at least one datum", param="data")
+    config = {k: float(v) for k, v in (request.get("loss_fn_config") or {}).items()}
+    vocab = trainer.arch.vocab_size
+    batches = [_datum_batch(d["tokens"], list(d.get("loss_fn_inputs", {}).get("target_tokens") or []), vocab, i)
+               for i, d in enumerate(data)]  # fmt: skip
+    start = time.perf_counter()
+    trainer.ddp.train()
+    outputs, total = [], 0.0
+    for i, (datum, batch) in enumerate(zip(data, batches)):
+        batch = batch.to(trainer.par.device)
+        context = torch.enable_grad() if backward else torch.no_grad()
+        with context:
+            logp = -token_losses(trainer.ddp, batch).float()[0]
+            per_token = elementwise_loss(loss_fn, logp, datum, i, config)
+            loss = per_token.sum()
+            if backward:
+                loss.backward()
+        total += float(loss.detach())
+        outputs.append({"logprobs": logp.detach().cpu().tolist(), "elementwise_loss": per_token.detach().cpu().tolist()})
+    if backward:  # the metrics row of the next optim_step reports the loss its gradients came from
+        trainer.tinker_pending = getattr(trainer, "tinker_pending", (0.0, 0))
+        trainer.tinker_pending = (trainer.tinker_pending[0] + total, trainer.tinker_pending[1] + len(data))
+    return {"loss": total, "outputs": outputs, "metrics": {"loss:sum": total},
+            "tokens": sum(len(d["tokens"]) for d in data), "step_seconds": time.perf_counter() - start}  # fmt: skip
+
+
+def set_adam_params(trainer: "Trainer", params: dict[str, Any]) -> float:
+    """Apply one call's Adam parameters to the optimizer; return the learning rate."""
+    lr = float(params.get("learning_rate", 1e-4))
+    opt = getattr(trainer.optimizer, "opt", None)
+    if opt is None:
+        return lr  # megatron's distributed optimizer (GPU): learning rate per call; betas/eps as configured
+    for group in opt.param_groups:
+        group["betas"] = (float(params.get("beta1", 0.9)), float(params.get("beta2", 0.95)))
+        group["eps"] = float(params.get("eps", 1e-12))
+        if group.get("weight_decay", 0.0) or group is opt.param_groups[0]:
+            group["weight_decay"] = float(params.get("weight_decay", 0.0))
+    clip = float(params.get("grad_clip_norm", 0.0))
+    trainer.optimizer.max_norm = clip if clip > 0 else math.inf
+    return lr
+
+
+def optim_step(trainer: "Trainer", request: dict[str, Any]) -> dict[str, Any]:
+    """Update the weights with the gradients accumulated since the last optim_step, then clear them."""
+    par = trainer.par
+    lr = set_adam_params(trainer, request.get("adam_params") or {})
+    sum_lora = partial_lora_sum(trainer)
+    grad_norm = trainer.optimizer.step(lr, after_sync=sum_lora)
+    trainer.optimizer.zero_grad()
+    trainer.step += 1
+    if par.dp_size > 1:
+        dist.barrier(group=par.dp_group)
+    loss, datums = getattr(trainer, "tinker_pending", (0.0, 0))
+    trainer.tinker_pending = (0.0, 0)
+    return {"loss": loss, "metrics": {"grad_norm": grad_norm, "lr": lr, "datums": datums}, "step": trainer.step}
+
+
+def partial_lora_sum(trainer: "Trainer") -> Callable[[], None] | None:
+    par = trainer.par
+    if not trainer.lora:
+        return None
+    return lambda: lora.allreduce_lora_grads(trainer.model, par.tp_group, par.tp_size)
+
+
+def save_weights_for_sampler(trainer: "Trainer") -> dict[str, Any]:
+    """Publish the current weights as `checkpoints/step-<step>` (once per step) and return that version."""
+    published = trainer.job.checkpoints_dir / f"step-{trainer.step}"
+    if not published.exists():
+        trainer.publish(None)
+    return {"loss": None, "metrics": {}, "version": trainer.step}
+
+
+def run_op(trainer: "Trainer", request: dict[str, Any]) -> dict[str, Any]:
+    """Dispatch one Tinker primitive."""
+    op = request.get("op")
+    if op == "forward_backward":
+        return forward_backward(trainer, request, backward=True)
+    if op == "forward":
+        return forward_backward(trainer, request, backward=False)
+    if op == "optim_step":
+        return optim_step(trainer, request)
+    if op == "save_weights_for_sampler":
+        return save_weights_for_sampler(trainer)
+    raise InvalidRequest(f"unknown session op {op!r}; ops are {', '.join(OPS)}", param="op")
