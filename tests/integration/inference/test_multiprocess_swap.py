@@ -1,6 +1,8 @@
 """Hot-swap with vLLM's engine core in its own process, as it runs on a GPU (`VLLM_ENABLE_V1_MULTIPROCESSING=1`).
 
-`reload_weights` and `add_lora` then cross a process boundary (vLLM's msgpack RPC). A real `scalarlm serve`
+`reload_weights` and `add_lora` then cross a process boundary (vLLM's msgpack RPC). Measured 2026-12: vLLM 0.32's
+`AsyncLLM` starts a separate `VLLM::EngineCore` process under `scalarlm serve` even with the variable at 0 (our CPU
+default), so every served test crosses that boundary; this one asserts it and pins the GPU setting explicitly. A real `scalarlm serve`
 runs in that mode; full-weight and LoRA checkpoints published into its home are served, through the OpenAI
 route and the batch queue, with the greedy tokens of `transformers` / PEFT on the same files.
 """
