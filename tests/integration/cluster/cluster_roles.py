@@ -58,9 +58,12 @@ class Cluster:
         return proc
 
     def kill(self, name: str) -> int:
-        """SIGKILL role `name`; its pid."""
+        """SIGKILL role `name` and every process under it (a lost host loses them all: a worker's vLLM EngineCore
+        child would otherwise live on, orphaned, holding its memory); its pid."""
         proc = self.procs[name]
-        proc.send_signal(signal.SIGKILL)
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=30)
         return proc.pid
 
@@ -102,6 +105,23 @@ def result_of(proc: subprocess.Popen, timeout: float = 900.0) -> dict:
     lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"client exited {proc.returncode}\n{out[-2000:]}\n{err[-3000:]}"
     return json.loads(lines[-1][len("RESULT ") :])
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children first found through /proc's parent ids)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def worker_id(pid: int) -> str:
