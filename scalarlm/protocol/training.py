@@ -374,8 +374,8 @@ class PublishedNotice(BaseModel):
 
 
 class SessionStepResponse(BaseModel):
-    """POST /v1/train/sessions/{id}/step answer: the version now serving (the step just published), the version
-    that generated its batch and the staleness it trained with."""
+    """POST /v1/train/sessions/{id}/step answer: the version this step published (the newest, unless a step
+    queued after it finished first), the version that generated its batch and the staleness it trained with."""
 
     session_id: str
     model_name: str

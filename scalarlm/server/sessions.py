@@ -184,9 +184,11 @@ class RLSessions:
             if result.error_type == "stale":
                 raise Conflict(message, param="version")
             raise InvalidRequest(message, param="rows")
+        # The version this step published: with steps pipelined, a later step may already be newer when this
+        # answer is read, and the catalog's current version would name that one.
         version = result.version
         try:
-            version = max(version, await asyncio.to_thread(self.catalog.published, session_id, result.version))
+            await asyncio.to_thread(self.catalog.published, session_id, result.version)
         except ScalarLMError as e:  # the result is what the trainer says; the catalog catches up on its poll
             logger.warning("session %s: step %d published but not readable yet: %s", session_id, k, e)
         return SessionStepResponse(
