@@ -106,6 +106,10 @@ class TrainingSettings(BaseModel):
     gpus_per_node: int = Field(0, ge=0)
     nodes: int = Field(1, ge=1)
     poll_seconds: float = Field(1.0, gt=0)
+    # Local launcher: at most this many trainers run at once on this machine (0: no limit); on a GPU node
+    # (`gpus_per_node` > 0) a GPU job also waits until the GPUs it asks for are free. Waiting jobs stay QUEUED and
+    # start in submission order as others finish (also after a restart). SLURM queues its jobs itself.
+    max_running_jobs: int = Field(0, ge=0)
     # An RL session whose client sends no step request for this long ends itself: state saved, status CANCELLED
     # (resume it to continue). 0: never (the trainer waits for `end` or a cancel).
     session_idle_seconds: float = Field(1800.0, ge=0)

@@ -17,7 +17,7 @@ from scalarlm.checkpoint.keys import NOTIFY_KEY_FILE, shared_key
 from scalarlm.config import ServerSettings, Settings
 from scalarlm.protocol.training import TrainJobConfig
 
-RunState = Literal["running", "finished", "unknown"]
+RunState = Literal["running", "waiting", "finished", "unknown"]
 
 RECORD_FILE = "launcher.json"
 LAUNCHER_LOG = "launcher.log"
@@ -113,6 +113,11 @@ class Launcher(Protocol):
     def stop_for_shutdown(self, jobs: Sequence[JobDir]) -> list[str]:
         """The control plane is shutting down: stop those of `jobs` that would die with it (state saved, status
         QUEUED so a restarted control plane resumes them); return their ids."""
+        ...
+
+    def admit(self) -> list[str]:
+        """Start the jobs waiting for a free slot that fit now, oldest first; return their ids (called every
+        reconcile poll; a launcher whose scheduler queues jobs itself starts none)."""
         ...
 
 

@@ -36,6 +36,8 @@ from scalarlm.protocol.training import TrainJobConfig
 logger = logging.getLogger(__name__)
 
 TRAINER_ENTRY: tuple[str, ...] = ("-m", "scalarlm.training")
+# The launch record's id while a job waits for a free slot (no process yet).
+WAITING = "waiting"
 
 
 def free_port() -> int:
@@ -102,6 +104,84 @@ class LocalLauncher:
         return env
 
     def submit(self, job: JobDir, config: TrainJobConfig) -> str:
+        """Start the job's processes now when a slot is free (`training.max_running_jobs`, and this node's GPUs for a
+        GPU job); else record it as waiting, QUEUED, for `admit` to start in submission order."""
+        busy = self._busy(job.job_id)
+        if busy is not None:
+            write_record(job, LaunchRecord(launcher="local", launcher_id=WAITING, submitted=time.time()))
+            job.update_status(reason=f"waiting for a free trainer slot: {busy}")
+            logger.info("job %s: waiting for a free trainer slot: %s", job.job_id, busy)
+            return WAITING
+        return self._start(job, config)
+
+    def _slots(self) -> tuple[list[tuple[JobDir, LaunchRecord]], list[tuple[JobDir, int]]]:
+        """This launcher's jobs that are not finished: those waiting (oldest first) and those running (with
+        the GPUs each holds)."""
+        waiting, running = [], []
+        jobs_dir = self.settings.jobs_dir
+        for root in sorted(p for p in jobs_dir.iterdir() if p.is_dir()) if jobs_dir.exists() else []:
+            job = JobDir(root)
+            record = read_record(job)
+            if record is None or record.launcher != "local":
+                continue
+            try:
+                if job.read_status().terminal:
+                    continue
+                if record.launcher_id == WAITING:
+                    waiting.append((job, record))
+                elif self.state(job)[0] == "running":
+                    running.append((job, job.read_config().train_args.gpus))
+            except (OSError, ValueError):
+                continue
+        waiting.sort(key=lambda pair: pair[1].submitted)
+        return waiting, running
+
+    def _limited(self) -> bool:
+        training = self.settings.training
+        return training.max_running_jobs > 0 or training.gpus_per_node > 0
+
+    def _busy(self, job_id: str, gpus: int | None = None, running: list[tuple[JobDir, int]] | None = None,
+              ahead: int = 0) -> str | None:  # fmt: skip
+        """Why the job cannot start now (None: it can): the job limit is reached, its GPUs are taken, or jobs
+        submitted before it still wait."""
+        if not self._limited():
+            return None
+        training = self.settings.training
+        if running is None:
+            waiting, running = self._slots()
+            ahead = sum(1 for job, _ in waiting if job.job_id != job_id)
+            if ahead:
+                return f"{ahead} jobs submitted before it wait first"
+        if training.max_running_jobs and len(running) >= training.max_running_jobs:
+            return f"{len(running)} of training.max_running_jobs={training.max_running_jobs} trainers run"
+        if gpus is None:
+            gpus = JobDir(self.settings.jobs_dir / job_id).read_config().train_args.gpus
+        taken = sum(n for _, n in running)
+        if training.gpus_per_node and gpus and taken + gpus > training.gpus_per_node:
+            return f"it needs {gpus} GPUs and {taken} of this node's {training.gpus_per_node} are taken"
+        return None
+
+    def admit(self) -> list[str]:
+        """Start waiting jobs in submission order while they fit (a job that does not fit blocks those after it,
+        so a large job is not starved by small ones)."""
+        if not self._limited():
+            return []
+        waiting, running = self._slots()
+        started = []
+        for job, _ in waiting:
+            try:
+                config = job.read_config()
+            except (OSError, ValueError):
+                continue
+            if self._busy(job.job_id, config.train_args.gpus, running) is not None:
+                break
+            launcher_id = self._start(job, config)
+            job.update_status(launcher_id=launcher_id, reason=None)
+            running.append((job, config.train_args.gpus))
+            started.append(job.job_id)
+        return started
+
+    def _start(self, job: JobDir, config: TrainJobConfig) -> str:
         """Start the job's processes in a new session (so cancel can signal the whole group)."""
         cmd = self.command(job, config)
         job.logs_dir.mkdir(parents=True, exist_ok=True)
@@ -124,6 +204,8 @@ class LocalLauncher:
     def state(self, job: JobDir) -> tuple[RunState, str | None]:
         """Running while the launched process lives; finished with its exit code when known."""
         record = read_record(job)
+        if record is not None and record.launcher_id == WAITING:
+            return "waiting", "waiting for a free trainer slot"
         if record is None or record.pid is None:
             return "unknown", "the job was never started by a launcher"
         child = self._children.get(job.job_id)

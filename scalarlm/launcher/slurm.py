@@ -157,5 +157,9 @@ class SlurmLauncher:
         """Nothing: SLURM jobs run on the cluster, independent of the control plane, which re-adopts them."""
         return []
 
+    def admit(self) -> list[str]:
+        """Nothing: SLURM queues jobs itself (they wait PENDING in squeue)."""
+        return []
+
     def logs(self, job: JobDir) -> str:
         return read_logs(job)

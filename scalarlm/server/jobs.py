@@ -330,7 +330,11 @@ class TrainingJobs:
         """Settle jobs whose processes are gone: CANCELLED when asked, relaunched when the resume policy says so
         (`training.resume`), else FAILED with the reason."""
         with self._lock:
-            return reconcile(self.settings.jobs_dir, self.launchers, ResumePolicy.from_settings(self.settings.training))
+            changed = reconcile(self.settings.jobs_dir, self.launchers, ResumePolicy.from_settings(self.settings.training))
+            for launcher in self.launchers.values():
+                for job_id in launcher.admit():
+                    logger.info("job %s: a trainer slot is free, started", job_id)
+            return changed
 
     def reconciling(self) -> AbstractAsyncContextManager[None]:
         """Reconcile once now (a restarted control plane) and then every `training.poll_seconds`."""

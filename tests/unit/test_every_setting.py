@@ -245,13 +245,18 @@ EVIDENCE: dict[str, list[str]] = {
         "tests/unit/launcher/test_sbatch_script.py::test_time_limit_is_capped_by_the_server_setting",
     ],
     "Settings.training.cpu_ranks": [RESOURCES],  # the cpu_ranks of a job that sends none
-    "Settings.training.gpus_per_node": [
+    "Settings.training.gpus_per_node": [  # also: GPU jobs wait for free GPUs on the node
+        "tests/unit/launcher/test_job_slots.py::test_gpu_jobs_wait_for_the_gpus_they_ask_for",
         RESOURCES,
         "tests/unit/launcher/test_sbatch_script.py::test_gpus_beyond_a_node_are_refused",
         "tests/unit/server/test_cluster_counts.py::test_gpu_and_node_counts_follow_the_training_settings",
     ],
     "Settings.training.nodes": [
         "tests/unit/server/test_cluster_counts.py::test_gpu_and_node_counts_follow_the_training_settings",
+    ],
+    "Settings.training.max_running_jobs": [
+        "tests/unit/launcher/test_job_slots.py::test_jobs_past_the_limit_wait_and_start_in_order",
+        "tests/unit/launcher/test_job_slots.py::test_the_control_planes_poll_starts_the_next_waiting_job",
     ],
     "Settings.training.poll_seconds": ["tests/integration/loop/test_catalog.py::test_poll_picks_up_steps_without_a_notice"],
     "Settings.training.session_idle_seconds": [
