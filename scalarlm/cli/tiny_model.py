@@ -20,8 +20,10 @@ from typing import Literal
 logger = logging.getLogger(__name__)
 
 # `--family` names: the trainer's families (scalarlm.training.families) plus llama3 (Llama with llama3 RoPE).
-FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma3")
-Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma3"]
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma3", "qwen3_moe", "mixtral")
+Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma3", "qwen3_moe", "mixtral"]
+# Mixture-of-experts tiny models: 4 experts, 2 per token, each expert's intermediate size hidden / 2.
+TINY_EXPERTS, TINY_TOPK = 4, 2
 # Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3, Gemma).
 TIED_BY_DEFAULT = frozenset({"qwen3", "llama3", "smollm3", "gemma3"})
 
@@ -163,6 +165,20 @@ def _family_config(
         return transformers.Gemma3TextConfig(head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=8,
                                              layer_types=types, rope_parameters=rope, attention_bias=False,
                                              hidden_activation="gelu_pytorch_tanh", **common)  # fmt: skip
+    if family == "qwen3_moe":
+        # Qwen3-30B-A3B's fields (norm_topk_prob, every layer sparse), scaled down; the dense layers of
+        # mlp_only_layers / decoder_sparse_step use intermediate_size.
+        return transformers.Qwen3MoeConfig(head_dim=head_dim, attention_bias=False, use_sliding_window=False,
+                                           num_experts=TINY_EXPERTS, num_experts_per_tok=TINY_TOPK,
+                                           moe_intermediate_size=hidden // 2, norm_topk_prob=True,
+                                           decoder_sparse_step=1, mlp_only_layers=[],
+                                           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                                           **common)  # fmt: skip
+    if family == "mixtral":
+        # Mixtral's experts have intermediate_size each.
+        return transformers.MixtralConfig(head_dim=head_dim, num_local_experts=TINY_EXPERTS,
+                                          num_experts_per_tok=TINY_TOPK, router_jitter_noise=0.0, sliding_window=None,
+                                          **{**common, "intermediate_size": hidden // 2})  # fmt: skip
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
@@ -265,4 +281,9 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
     "smollm3": dict(family="smollm3", hidden=256, heads=4, kv_heads=2, seed=5),
     "phi3": dict(family="phi3", hidden=256, heads=4, kv_heads=2, seed=6),
     "gemma3": dict(family="gemma3", hidden=256, heads=4, kv_heads=2, seed=8),
+    "qwen3-moe": dict(family="qwen3_moe", hidden=256, heads=4, kv_heads=2, seed=9),
+    # HF's other routing (top-k of the softmax, not renormalised) and a dense layer between sparse ones.
+    "qwen3-moe-mixed": dict(family="qwen3_moe", hidden=256, heads=4, kv_heads=2, layers=3, seed=10,
+                            config_overrides={"norm_topk_prob": False, "mlp_only_layers": [1]}),
+    "mixtral": dict(family="mixtral", hidden=256, heads=4, kv_heads=2, seed=11),
 }

@@ -43,6 +43,17 @@ def _patch_megatron_rng() -> None:
     mrandom._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
 
 
+def router_gemm_without_transformer_engine() -> None:
+    """megatron-core 0.16.1's MoE router gating (`moe_utils.RouterGatingLinearFunction`) reads a module global
+    `te_general_gemm` that is only bound when TransformerEngine imports: without TE (CPU, or a GPU without it) the
+    router raises NameError. Binding it to None selects megatron's own `torch.mm` path in the router dtype (fp32),
+    forward and backward. Nothing changes where TE is installed."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def activate_if_no_accelerator() -> bool:
     """Apply the CPU shim when no accelerator is present; return True if it is (now) active."""
     if torch.cuda.is_available():

@@ -1,8 +1,9 @@
 """Build a megatron-core GPTModel (local layer spec, no TransformerEngine) for a family's `ModelArch`.
 
-Every supported family is a dense decoder: RMSNorm, SwiGLU MLP, RoPE, grouped-query attention. `ModelArch` (read
-by `families.read_arch`) carries what differs: qkv bias, q/k norms, llama3 RoPE frequencies, layers without RoPE,
-per-layer sliding windows. Nothing here branches on the model type.
+Every supported family is a decoder: RMSNorm, gated MLP, RoPE, grouped-query attention. `ModelArch` (read by
+`families.read_arch`) carries what differs: qkv bias, q/k norms, llama3 RoPE frequencies, layers without RoPE,
+per-layer sliding windows, mixture-of-experts layers (megatron's MoELayer: fp32 top-k router, local SequentialMLP
+experts, the allgather token dispatcher). Nothing here branches on the model type.
 """
 
 from __future__ import annotations
@@ -76,7 +77,32 @@ def transformer_config(arch: ModelArch, tp: int, bf16: bool, recompute: bool = F
         recompute_granularity="full" if recompute else None,
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
+        **_moe_config(arch),
     )
+
+
+def _moe_config(arch: ModelArch) -> dict:
+    """megatron's MoE fields for `arch` (none for a dense model).
+
+    Routing as HF's: softmax over every expert and top k, renormalised when `moe_norm_topk` (= top k of the logits
+    and a softmax over those, megatron's `moe_router_pre_softmax=False`), computed in fp32. No token dropping, no
+    load-balancing loss (HF trains without it unless asked), the allgather dispatcher (alltoall needs CUDA streams).
+    """
+    if not arch.num_experts:
+        return {}
+    return {
+        "num_moe_experts": arch.num_experts,
+        "moe_router_topk": arch.moe_topk,
+        "moe_ffn_hidden_size": arch.moe_ffn_hidden_size,
+        "moe_router_pre_softmax": not arch.moe_norm_topk,
+        "moe_router_score_function": "softmax",
+        "moe_router_dtype": "fp32",
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_token_dispatcher_type": "allgather",
+        "moe_grouped_gemm": False,
+        "moe_layer_freq": [int(arch.is_moe(i)) for i in range(arch.num_layers)],
+    }
 
 
 def document_bounds(bounds: tuple[int, ...]):
@@ -149,10 +175,29 @@ def _per_document_rope(freqs: Tensor, position_ids: Tensor) -> Tensor:
     return table[position_ids.t()].unsqueeze(2)
 
 
+def _layer_specs(arch: ModelArch):
+    """megatron's local layer spec (SDPA core attention), per layer: the MoE one on `arch`'s sparse layers."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+
+    def spec(experts: int | None):
+        layer = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm",
+                                         qk_layernorm=arch.qk_layernorm)  # fmt: skip
+        # SDPA instead of megatron's unfused baddbmm + masked softmax + bmm (same maths, one fused kernel).
+        layer.submodules.self_attention.submodules.core_attention = _sdpa_attention_class(arch)
+        return layer
+
+    if not arch.num_experts:
+        return spec(None)
+    dense, sparse = spec(None), spec(arch.num_experts)
+    return TransformerBlockSubmodules(
+        layer_specs=[sparse if arch.is_moe(i) else dense for i in range(arch.num_layers)], layer_norm=LayerNormImpl
+    )
+
+
 def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool = True, recompute: bool = False):
     """A megatron-core GPTModel for `arch` on this rank's TP shard (weights uninitialised: load them next)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     class PackedGPTModel(GPTModel):
         """GPTModel whose RoPE follows `position_ids`, so positions restart at each packed document."""
@@ -167,12 +212,13 @@ def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool 
             return (out[0], _per_document_rope(out[1], position_ids), *out[2:])
 
     check_tensor_parallel(arch, tp)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_layernorm)
-    # SDPA instead of megatron's unfused baddbmm + masked softmax + bmm (same maths, one fused kernel).
-    spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class(arch)
+    if arch.num_experts:
+        from scalarlm.training.cpu_compat import router_gemm_without_transformer_engine
+
+        router_gemm_without_transformer_engine()
     model = PackedGPTModel(
         config=transformer_config(arch, tp, bf16, recompute),
-        transformer_layer_spec=spec,
+        transformer_layer_spec=_layer_specs(arch),
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=True,

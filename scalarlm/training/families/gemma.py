@@ -85,8 +85,8 @@ REFUSED = (
     Refused(("Gemma3ForConditionalGeneration",),
             "multimodal Gemma 3 (4B+) checkpoints carry vision towers the trainer does not keep; "
             "train the text model (Gemma3ForCausalLM)"),  # fmt: skip
-    Refused(("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "PhimoeForCausalLM"),
-            "mixture-of-experts layers are not supported yet"),  # fmt: skip
+    Refused(("Qwen2MoeForCausalLM", "PhimoeForCausalLM"),
+            "this mixture-of-experts family is not supported yet (Qwen3-MoE and Mixtral are)"),  # fmt: skip
     Refused(("Olmo2ForCausalLM",), "OLMo 2 uses post-norm and full-width q/k norms, not implemented"),
     Refused(("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"), "multi-latent attention is not supported yet"),
 )

@@ -34,7 +34,8 @@ class Rule:
 
 @dataclass(frozen=True)
 class ModelArch:
-    """A dense decoder's shape, read from an HF `config.json` (and its tensor names) by its family."""
+    """A decoder's shape (dense or mixture-of-experts), read from an HF `config.json` (and its tensor names) by its
+    family."""
 
     family: str
     vocab_size: int
@@ -63,10 +64,23 @@ class ModelArch:
     softmax_scale: float | None = None  # attention scale (None: head_dim ** -0.5)
     local_rope_theta: float | None = None  # RoPE base of the sliding-window layers when it differs (Gemma 3)
     rope_linear_factor: float | None = None  # `linear` RoPE scaling of the global layers (inv_freq / factor)
+    # Mixture of experts (0 experts = dense): routed experts per MoE layer, experts per token, each expert's
+    # intermediate size, whether the top-k probabilities are renormalised to sum 1 (HF `norm_topk_prob`; Mixtral
+    # always), which layers are MoE (empty = every layer) and the HF names (block, router, gate, up, down).
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_norm_topk: bool = True
+    moe_layers: tuple[bool, ...] = ()
+    expert_names: tuple[str, str, str, str, str] = ()
 
     @property
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether 0-based `layer` has a sparse MoE block (else the dense MLP)."""
+        return self.num_experts > 0 and (self.moe_layers[layer] if self.moe_layers else True)
 
     def window(self, layer: int) -> int | None:
         """The sliding window of 0-based `layer` (None = full causal attention)."""
@@ -94,6 +108,7 @@ class Family:
     # Family-specific ModelArch fields read from the config (e.g. Gemma's norms, RoPE bases); may refuse.
     extra: Callable[[dict[str, Any]], dict[str, Any]] = field(default=lambda config: {})
     sandwich_norms: bool = False
+    lora_refusal: str | None = None  # why LoRA is not supported for this family (None: it is)
     notes: str = ""
 
     @property
@@ -262,14 +277,28 @@ def rules(arch: ModelArch) -> Iterator[Rule]:
             yield Rule(mc + "mlp.post_norm.weight", (hf + "post_feedforward_layernorm.weight",), "replicated")
         else:
             yield Rule(mc + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), "replicated")
-        if arch.fused_gate_up:
+        if arch.is_moe(i):
+            yield from _expert_rules(arch, hf, mc)
+        elif arch.fused_gate_up:
             yield Rule(mc + "mlp.linear_fc1.weight", (mlp + "gate_up_proj.weight",), "fc1")
         else:
             yield Rule(mc + "mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"), "fc1")
-        yield Rule(mc + "mlp.linear_fc2.weight", (mlp + "down_proj.weight",), "dim1")
+        if not arch.is_moe(i):
+            yield Rule(mc + "mlp.linear_fc2.weight", (mlp + "down_proj.weight",), "dim1")
     yield Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated")
     if not arch.tied_embeddings:
         yield Rule("output_layer.weight", ("lm_head.weight",), "dim0")
+
+
+def _expert_rules(arch: ModelArch, hf: str, mc: str) -> Iterator[Rule]:
+    """One MoE layer: HF's router -> megatron's `mlp.router` (replicated), each expert's gate/up -> its
+    `linear_fc1` ([gate; up]) and down -> `linear_fc2`, in megatron's local-experts layout (SequentialMLP)."""
+    block, router, gate, up, down = arch.expert_names
+    yield Rule(mc + "mlp.router.weight", (f"{hf}{block}.{router}.weight",), "replicated")
+    for e in range(arch.num_experts):
+        src, dst = f"{hf}{block}.experts.{e}.", f"{mc}mlp.experts.local_experts.{e}."
+        yield Rule(dst + "linear_fc1.weight", (f"{src}{gate}.weight", f"{src}{up}.weight"), "fc1")
+        yield Rule(dst + "linear_fc2.weight", (f"{src}{down}.weight",), "dim1")
 
 
 def hf_tensor_names(arch: ModelArch) -> list[str]:
@@ -307,6 +336,7 @@ def check_tensor_parallel(arch: ModelArch, tp: int) -> None:
         ("num_attention_heads", arch.num_heads),
         ("vocab_size", arch.vocab_size),
         ("intermediate_size", arch.ffn_hidden_size),
+        *((("moe_intermediate_size", arch.moe_ffn_hidden_size),) if arch.num_experts else ()),
     ):
         if n % tp:
             raise InvalidRequest(f"tensor_parallel_size {tp} must divide the model's {what} ({n})")
@@ -322,6 +352,9 @@ def lora_targets(family: Family, target_modules: Iterable[str]) -> list[str]:
     Where HF fuses modules (Phi-3's qkv_proj, gate_up_proj), naming all of their parts (as the default targets do)
     targets the fused module; naming only some of them cannot be placed and is refused.
     """
+    if family.lora_refusal is not None:
+        raise InvalidRequest(f"adapter_type 'lora' is not supported for {family.name}: {family.lora_refusal}; "
+                             "use adapter_type 'full'", param="train_args")  # fmt: skip
     allowed = family.lora_targets
     requested = set(target_modules)
     for fused, parts in _FUSED_HF.items():

@@ -46,7 +46,8 @@ def test_family_modules_import_no_torch() -> None:
 
 
 def test_registry_names_every_family_once() -> None:
-    assert {f.name for f in FAMILY_LIST} == {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma3"}
+    assert {f.name for f in FAMILY_LIST} == {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma3",
+                                            "qwen3_moe", "mixtral"}
     assert all(FAMILIES[a] is f for f in FAMILY_LIST for a in f.architectures)
 
 

@@ -1,0 +1,85 @@
+"""Mixture-of-experts families: Qwen3-MoE (`Qwen3MoeForCausalLM`) and Mixtral (`MixtralForCausalLM`).
+
+Each is its dense sibling (Qwen3: per-head q/k norms; Mistral: optional `sliding_window` on every layer) with the
+MLP replaced, on the sparse layers, by megatron-core's `MoELayer` on the local spec: a top-k router computed in fp32
+and `SequentialMLP` experts (one SwiGLU MLP each). HF's router (`gate`) -> `mlp.router`, each expert's gate/up ->
+`mlp.experts.local_experts.{e}.linear_fc1` as [gate; up], down -> `linear_fc2`; publish writes the hub's per-expert
+layout back (what `transformers` and vLLM load).
+
+Routing as HF computes it: softmax over all experts, the top k, renormalised to sum 1 when `norm_topk_prob`
+(Mixtral: always). megatron's `moe_router_pre_softmax=False` (top k of the logits, softmax over those k) is exactly
+the renormalised case; `True` (softmax first, top k) the other. Qwen3-MoE's dense layers (`mlp_only_layers`,
+`decoder_sparse_step`) keep the dense MLP of size `intermediate_size`.
+
+Refused: Mixtral's `router_jitter_noise` (HF scales the hidden states fed to router and experts, megatron's jitter
+only the router's input), shared experts and LoRA (no per-expert adapter rule yet). The load-balancing loss is off
+(coefficient 0), as in HF training unless `output_router_logits` is set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.training.families.spec import Family, every_layer_window, layer_type_windows
+
+LORA_REFUSAL = "LoRA on mixture-of-experts layers is not implemented (neither dense-only nor per-expert adapters)"
+
+
+def _experts(config: dict[str, Any], norm_topk: bool) -> dict[str, Any]:
+    # The hub's Qwen3-MoE configs say `num_experts`; transformers 5 saves it as `num_local_experts` (Mixtral's name).
+    count_field = "num_experts" if config.get("num_experts") is not None else "num_local_experts"
+    experts = int(config.get(count_field) or 0)
+    topk = int(config.get("num_experts_per_tok") or 0)
+    if experts < 1 or not 1 <= topk <= experts:
+        raise InvalidRequest(f"{count_field}={experts} with num_experts_per_tok={topk} is not a top-k "
+                             "mixture of experts", param="model")  # fmt: skip
+    return {"num_experts": experts, "moe_topk": topk, "moe_norm_topk": norm_topk}
+
+
+def _qwen3_moe(config: dict[str, Any]) -> dict[str, Any]:
+    layers = int(config["num_hidden_layers"])
+    step = int(config.get("decoder_sparse_step") or 1)
+    dense = set(config.get("mlp_only_layers") or [])
+    if not dense <= set(range(layers)):
+        raise InvalidRequest(f"mlp_only_layers {sorted(dense)} name layers the model does not have", param="model")
+    if config.get("shared_expert_intermediate_size"):
+        raise InvalidRequest("shared experts are not supported", param="model")
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+    return {
+        **_experts(config, bool(config.get("norm_topk_prob"))),
+        "moe_ffn_hidden_size": int(config["moe_intermediate_size"]),
+        "moe_layers": () if all(sparse) else sparse,
+        "expert_names": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
+    }
+
+
+def _mixtral(config: dict[str, Any]) -> dict[str, Any]:
+    if float(config.get("router_jitter_noise") or 0.0):
+        raise InvalidRequest(f"router_jitter_noise={config['router_jitter_noise']} is not supported "
+                             "(megatron jitters only the router's input, HF the experts' too)", param="model")  # fmt: skip
+    return {
+        **_experts(config, True),
+        "moe_ffn_hidden_size": int(config["intermediate_size"]),
+        "expert_names": ("block_sparse_moe", "gate", "w1", "w3", "w2"),
+    }
+
+
+QWEN3_MOE = Family(
+    name="qwen3_moe",
+    architectures=("Qwen3MoeForCausalLM",),
+    qk_layernorm=True,
+    windows=lambda config, layers: layer_type_windows(config, layers, bool(config.get("use_sliding_window"))),
+    extra=_qwen3_moe,
+    lora_refusal=LORA_REFUSAL,
+    notes="Qwen3 + top-k MoE (norm_topk_prob, decoder_sparse_step, mlp_only_layers)",
+)
+
+MIXTRAL = Family(
+    name="mixtral",
+    architectures=("MixtralForCausalLM",),
+    windows=every_layer_window,
+    extra=_mixtral,
+    lora_refusal=LORA_REFUSAL,
+    notes="Mistral + top-k MoE (block_sparse_moe, w1/w3/w2 experts)",
+)

@@ -1,0 +1,115 @@
+"""Run by test_moe_parity.py as one plain process (TP=1) or under `mpirun -n 2` (TP=2): `moe_check.py TP MODEL...`.
+
+For each mixture-of-experts HF model directory: builds the megatron model on this rank's TP shard, loads the HF
+weights through the converter, runs one random batch through both megatron and transformers, and prints one JSON
+line (rank 0) with, over every MoE layer,
+* `router_logit_diff`: max |router logits (megatron's fp32 gating) - HF's `gate` logits|;
+* `experts_equal`: megatron's routing map selects exactly the experts HF's top-k chose, token by token;
+* `prob_diff`: max |megatron's routing probabilities - HF's top-k weights| (zero off the chosen experts);
+* `layer_diff`: max |MoE block output| difference (megatron's `mlp` vs HF's sparse block);
+* `logit_diff`: max |whole-model logits| difference; `moe_layers`: how many layers were compared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+
+def check(model_dir: Path, par) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from scalarlm.training import hf_io
+    from scalarlm.training.convert import hf_to_mcore, mark_tensor_parallel
+    from scalarlm.training.model import build_gpt_model, model_arch
+
+    arch = model_arch(model_dir)
+    model = build_gpt_model(arch, par.tp_size, bf16=False, parallel_output=False)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in hf_to_mcore(hf_io.load_weights(model_dir), arch, par.tp_rank, par.tp_size).items():
+            params[name].copy_(value)
+    mark_tensor_parallel(model, arch)
+    model.eval()
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    sparse = [i for i in range(arch.num_layers) if arch.is_moe(i)]
+
+    ours: dict[int, dict] = {i: {} for i in sparse}
+    theirs: dict[int, dict] = {i: {} for i in sparse}
+    hooks = []
+    for i in sparse:
+        router = model.decoder.layers[i].mlp.router
+        gating = router.gating
+
+        def record_gating(x, i=i, gating=gating):
+            ours[i]["logits"] = gating(x)
+            return ours[i]["logits"]
+
+        router.gating = record_gating
+        hooks.append(router.register_forward_hook(lambda m, a, out, i=i: ours[i].update(probs=out[0], map=out[1])))
+        hooks.append(model.decoder.layers[i].mlp.register_forward_hook(
+            lambda m, a, out, i=i: ours[i].update(out=out[0].transpose(0, 1).clone())))  # fmt: skip
+        # (cloned: megatron adds the residual into that tensor in place; [S, B] -> [B, S])
+        hf_block = ref.model.layers[i].mlp  # transformers 5 names the sparse block `mlp` (Mixtral too)
+        hooks.append(hf_block.gate.register_forward_hook(
+            lambda m, a, out, i=i: theirs[i].update(logits=out[0], weights=out[1], index=out[2])))  # fmt: skip
+        hooks.append(hf_block.register_forward_hook(lambda m, a, out, i=i: theirs[i].update(out=out)))
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, arch.vocab_size, (2, 24), generator=gen)
+    causal = torch.ones(24, 24, dtype=torch.bool).triu(1)[None, None]
+    with torch.no_grad():
+        our_logits = model(ids, torch.arange(24).expand(2, 24), causal)
+        their_logits = ref(ids).logits
+    for h in hooks:
+        h.remove()
+
+    router_diff = prob_diff = layer_diff = 0.0
+    experts_equal = True
+    tokens = ids.numel()
+    for i in sparse:
+        o, t = ours[i], theirs[i]
+        # megatron's router sees [S, B, H] (tokens s-major), HF's [B * S, H] (b-major): reorder megatron's rows
+        def b_major(x):
+            return x.reshape(24, 2, -1).transpose(0, 1).reshape(tokens, -1)
+
+        hf_map = torch.zeros(tokens, arch.num_experts, dtype=torch.bool).scatter(1, t["index"], True)
+        hf_probs = torch.zeros(tokens, arch.num_experts).scatter(1, t["index"], t["weights"].float())
+        router_diff = max(router_diff, (b_major(o["logits"]) - t["logits"]).abs().max().item())
+        experts_equal = experts_equal and torch.equal(b_major(o["map"]), hf_map)
+        prob_diff = max(prob_diff, (b_major(o["probs"]) - hf_probs).abs().max().item())
+        layer_diff = max(layer_diff, (o["out"] - t["out"]).abs().max().item())
+    return {
+        "model": model_dir.name,
+        "tp": par.tp_size,
+        "moe_layers": len(sparse),
+        "router_logit_diff": router_diff,
+        "experts_equal": experts_equal,
+        "prob_diff": prob_diff,
+        "layer_diff": layer_diff,
+        "logit_diff": (our_logits - their_logits).abs().max().item(),
+    }
+
+
+def main() -> int:
+    from scalarlm.training.launch_env import launch_env_from
+    from scalarlm.training.parallel import init_parallel, shutdown_parallel
+
+    tp = int(sys.argv[1])
+    par = init_parallel(launch_env_from(os.environ), tp, seed=0)
+    try:
+        for model_dir in map(Path, sys.argv[2:]):
+            result = check(model_dir, par)
+            if par.is_main:
+                print("RESULT " + json.dumps(result), flush=True)
+    finally:
+        shutdown_parallel()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

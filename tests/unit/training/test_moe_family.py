@@ -1,0 +1,110 @@
+"""The mixture-of-experts families (Qwen3-MoE, Mixtral) without torch: what they read from the config, their
+per-expert tensor rules, what they refuse (naming the field), and LoRA refused at submission naming adapter_type."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from scalarlm.launcher.model_check import check_base_model
+from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.protocol.training import TrainArgs
+from scalarlm.training.families import BY_NAME, check_tensor_parallel, hf_tensor_names, read_arch, rules
+from scalarlm.training.families.spec import ModelArch, lora_targets
+
+BASE = {
+    "vocab_size": 512, "hidden_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False, "hidden_act": "silu", "num_experts_per_tok": 2,
+}  # fmt: skip
+QWEN3_MOE = {**BASE, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "moe_intermediate_size": 128,
+             "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}  # fmt: skip
+MIXTRAL = {**BASE, "architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "intermediate_size": 128,
+           "router_jitter_noise": 0.0}  # fmt: skip
+
+
+def _shape(config: dict) -> ModelArch:
+    """The arch read from `config` with exactly the tensor names its rules map."""
+    first = BY_NAME["qwen3_moe" if "Qwen3" in config["architectures"][0] else "mixtral"].extra(config)
+    layers = config["num_hidden_layers"]
+    probe = ModelArch(family="probe", vocab_size=1, hidden_size=1, num_layers=layers, num_heads=1, num_kv_heads=1,
+                      head_dim=1, ffn_hidden_size=1, norm_eps=0.0, rope_theta=0.0, max_position_embeddings=1,
+                      tied_embeddings=False, qk_layernorm="Qwen3" in config["architectures"][0], **first)  # fmt: skip
+    return read_arch(config, hf_tensor_names(probe))
+
+
+def test_qwen3_moe_reads_experts_routing_and_sparse_layers() -> None:
+    arch = _shape(QWEN3_MOE)
+    assert (arch.family, arch.num_experts, arch.moe_topk, arch.moe_ffn_hidden_size) == ("qwen3_moe", 4, 2, 128)
+    assert arch.moe_norm_topk and arch.qk_layernorm and all(arch.is_moe(i) for i in range(3))
+    mixed = _shape({**QWEN3_MOE, "norm_topk_prob": False, "mlp_only_layers": [1]})
+    assert not mixed.moe_norm_topk and [mixed.is_moe(i) for i in range(3)] == [True, False, True]
+    stepped = _shape({**QWEN3_MOE, "num_hidden_layers": 4, "decoder_sparse_step": 2})
+    assert [stepped.is_moe(i) for i in range(4)] == [False, True, False, True]  # HF: (i + 1) % step == 0
+    # transformers 5 saves Qwen3-MoE's `num_experts` as `num_local_experts`
+    saved = {k: v for k, v in QWEN3_MOE.items() if k != "num_experts"} | {"num_local_experts": 4}
+    assert _shape(saved).num_experts == 4
+
+
+def test_expert_tensors_map_to_megatron_local_experts() -> None:
+    arch = _shape({**QWEN3_MOE, "mlp_only_layers": [1]})
+    by_mcore = {r.mcore: r for r in rules(arch)}
+    router = by_mcore["decoder.layers.0.mlp.router.weight"]
+    assert router.hf == ("model.layers.0.mlp.gate.weight",) and router.kind == "replicated"
+    fc1 = by_mcore["decoder.layers.2.mlp.experts.local_experts.3.linear_fc1.weight"]
+    assert fc1.hf == ("model.layers.2.mlp.experts.3.gate_proj.weight", "model.layers.2.mlp.experts.3.up_proj.weight")
+    assert fc1.kind == "fc1"
+    assert by_mcore["decoder.layers.2.mlp.experts.local_experts.3.linear_fc2.weight"].hf == (
+        "model.layers.2.mlp.experts.3.down_proj.weight",)  # fmt: skip
+    assert by_mcore["decoder.layers.1.mlp.linear_fc1.weight"].hf == (
+        "model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight")  # the dense layer  # fmt: skip
+    mixtral = {r.mcore: r.hf for r in rules(_shape(MIXTRAL))}
+    assert mixtral["decoder.layers.0.mlp.router.weight"] == ("model.layers.0.block_sparse_moe.gate.weight",)
+    assert mixtral["decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"] == (
+        "model.layers.0.block_sparse_moe.experts.1.w1.weight", "model.layers.0.block_sparse_moe.experts.1.w3.weight")
+    assert mixtral["decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight"] == (
+        "model.layers.0.block_sparse_moe.experts.1.w2.weight",)  # fmt: skip
+
+
+def test_missing_or_unmapped_expert_tensors_are_refused() -> None:
+    names = hf_tensor_names(_shape(QWEN3_MOE))
+    with pytest.raises(InvalidRequest, match=r"lacks 1 tensor.*experts\.3\.up_proj"):
+        read_arch(QWEN3_MOE, [n for n in names if n != "model.layers.0.mlp.experts.3.up_proj.weight"])
+    with pytest.raises(InvalidRequest, match=r"map to nothing.*shared_expert"):  # e.g. a Qwen2-MoE-style block
+        read_arch(QWEN3_MOE, [*names, "model.layers.0.mlp.shared_expert.gate_proj.weight"])
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [({**MIXTRAL, "router_jitter_noise": 0.1}, "router_jitter_noise"),
+     ({**QWEN3_MOE, "num_experts_per_tok": 8}, "num_experts_per_tok"),
+     ({**QWEN3_MOE, "mlp_only_layers": [7]}, "mlp_only_layers"),
+     ({**QWEN3_MOE, "shared_expert_intermediate_size": 64}, "shared experts")],
+)  # fmt: skip
+def test_moe_fields_the_trainer_cannot_follow_are_refused_by_name(config: dict, field: str) -> None:
+    with pytest.raises(InvalidRequest, match=field):
+        _shape(config) if field != "num_experts_per_tok" else read_arch(config, [])
+
+
+def test_tensor_parallel_must_split_the_experts() -> None:
+    check_tensor_parallel(_shape(QWEN3_MOE), 2)
+    with pytest.raises(InvalidRequest, match=r"tensor_parallel_size 2 .* moe_intermediate_size \(127\)"):
+        check_tensor_parallel(_shape({**QWEN3_MOE, "moe_intermediate_size": 127}), 2)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_lora_on_moe_is_refused_naming_adapter_type(family: str) -> None:
+    with pytest.raises(InvalidRequest, match="adapter_type 'lora' is not supported for " + family) as e:
+        lora_targets(BY_NAME[family], ["q_proj"])
+    assert e.value.param == "train_args"
+
+
+def test_submission_refuses_lora_on_a_moe_base_model(tmp_path: Path) -> None:
+    from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS, make_tiny_model
+
+    model = make_tiny_model(tmp_path / "qwen3-moe", **FAMILY_TINY_MODELS["qwen3-moe"])
+    check_base_model(str(model), TrainArgs(adapter_type="full"))
+    with pytest.raises(InvalidRequest, match="adapter_type 'lora' is not supported for qwen3_moe") as e:
+        check_base_model(str(model), TrainArgs(adapter_type="lora"))
+    assert e.value.param == "train_args"
