@@ -1,5 +1,7 @@
 """Tinker's training primitives on a session Trainer: forward, forward_backward (named per-token losses, gradients
-accumulated), optim_step (Adam parameters per call) and save_weights_for_sampler (publish a versioned checkpoint).
+accumulated), optim_step (Adam parameters per call), save_weights_for_sampler (publish a versioned checkpoint), and
+save_state / load_state (a named copy of the trainable weights and optimizer state under `tinker/weights/<name>/`,
+loaded back into this or another training run of the same shape, with or without the optimizer state).
 
 A request file of a session holds one line `{"op": ..., ...}` for these (a batch of rows otherwise: the older step
 protocol, unchanged). Data follows the SDK's `Datum`: `tokens` (the model input, N ids) and `loss_fn_inputs`
@@ -10,7 +12,9 @@ logprobs and the per-token loss. Anything else is refused with InvalidRequest.
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -18,15 +22,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.checkpoint.jobdir import atomic_write_text
+from scalarlm.checkpoint.tinker import MANIFEST, TinkerRunDir
+from scalarlm.protocol.errors import Conflict, InvalidRequest, NotFound
 from scalarlm.training import lora
 from scalarlm.training.data import MicroBatch
 from scalarlm.training.losses import token_losses
+from scalarlm.training.optim import build_optimizer
 
 if TYPE_CHECKING:
     from scalarlm.training.loop import Trainer
 
-OPS = ("forward", "forward_backward", "optim_step", "save_weights_for_sampler")
+OPS = ("forward", "forward_backward", "optim_step", "save_weights_for_sampler", "save_state", "load_state")
 
 # Inputs each loss needs beyond `target_tokens` (weights default to ones for cross_entropy).
 LOSS_INPUTS: dict[str, tuple[str, ...]] = {
@@ -170,6 +177,84 @@ def save_weights_for_sampler(trainer: "Trainer") -> dict[str, Any]:
     return {"loss": None, "metrics": {}, "version": trainer.step}
 
 
+def _trainable(trainer: "Trainer") -> dict[str, torch.Tensor]:
+    """The weights a saved state holds: every trained parameter (LoRA: the adapters; full: all of them)."""
+    return {name: p for name, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+def save_state(trainer: "Trainer", request: dict[str, Any]) -> dict[str, Any]:
+    """Collectively save the trainable weights, optimizer state and step as `tinker/weights/<name>/` (every rank
+    writes its shard into `.<name>.tmp/`; rank 0 renames it into place once all have, so a reader never sees half)."""
+    par, files = trainer.par, TinkerRunDir(trainer.job)
+    name = str(request.get("name") or "")
+    try:
+        final, tmp = files.weights_dir(name), files.weights_tmp_dir(name)
+    except ValueError as e:
+        raise InvalidRequest(str(e), param="path") from e
+    if final.exists() and not request.get("overwrite"):
+        raise Conflict(f"a saved state named {name!r} already exists in this run; choose another name or pass "
+                       "overwrite=True", param="path")  # fmt: skip
+    if par.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    payload = {"params": {k: p.detach().cpu().clone() for k, p in _trainable(trainer).items()},
+               "optimizer": trainer.optimizer.state_dict(), "step": trainer.step}  # fmt: skip
+    torch.save(payload, tmp / f"rank-{par.rank}.pt")
+    dist.barrier()
+    if par.is_main:
+        args = trainer.args
+        manifest = {
+            "name": name, "step": trainer.step, "time": time.time(), "base_model": str(trainer.config.base_model),
+            "kind": "lora" if trainer.lora else "full",
+            "lora_config": args.lora_config.model_dump() if trainer.lora else None,
+            "world_size": par.world_size, "tp": par.tp_size, "user_metadata": request.get("user_metadata"),
+            "size_bytes": sum(p.stat().st_size for p in tmp.glob("rank-*.pt")),
+        }  # fmt: skip
+        atomic_write_text(tmp / MANIFEST, json.dumps(manifest) + "\n")
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    dist.barrier()
+    return {"loss": None, "metrics": {}, "name": name, "version": trainer.step}
+
+
+def load_state(trainer: "Trainer", request: dict[str, Any]) -> dict[str, Any]:
+    """Load a saved state's weights into this trainer; with `optimizer`, its optimizer state too, else a fresh
+    optimizer. Accumulated gradients are dropped. The step (the version counter of published checkpoints) keeps
+    counting up either way, so a version never names two different weights."""
+    par = trainer.par
+    source = trainer.job.root.parent / str(request.get("source") or "")  # relative to jobs/, set by the control plane
+    manifest_path = source / MANIFEST
+    if not manifest_path.exists():
+        raise NotFound(f"no saved state at {request.get('path') or source}", param="path")
+    manifest = json.loads(manifest_path.read_text())
+    if (manifest["world_size"], manifest["tp"]) != (par.world_size, par.tp_size):
+        raise InvalidRequest(f"the saved state was written by {manifest['world_size']} ranks at TP "
+                             f"{manifest['tp']}; this trainer runs {par.world_size} ranks at TP {par.tp_size}",
+                             param="path")  # fmt: skip
+    payload = torch.load(source / f"rank-{par.rank}.pt", map_location="cpu", weights_only=False)
+    params = _trainable(trainer)
+    saved = payload["params"]
+    mismatched = sorted(set(params) ^ set(saved)) or [k for k in params if params[k].shape != saved[k].shape]
+    if mismatched:
+        raise InvalidRequest(f"the saved state ({manifest['kind']}, LoRA {manifest.get('lora_config')}) does not "
+                             f"fit this model's trainable weights (first mismatch: {mismatched[0]}); load it into a "
+                             "training client of the same adapter type and LoRA config", param="path")  # fmt: skip
+    with torch.no_grad():
+        for k, value in saved.items():
+            params[k].copy_(value)
+    trainer.optimizer.zero_grad()
+    if request.get("optimizer"):
+        trainer.optimizer.load_state_dict(payload["optimizer"])
+    else:
+        trainer.optimizer = build_optimizer(trainer.ddp, trainer.args, par, trainer.bf16)
+    trainer.tinker_pending = (0.0, 0)
+    if par.dp_size > 1 or par.tp_size > 1:
+        dist.barrier()
+    return {"loss": None, "metrics": {}, "step": trainer.step, "saved_step": int(payload["step"])}
+
+
 def run_op(trainer: "Trainer", request: dict[str, Any]) -> dict[str, Any]:
     """Dispatch one Tinker primitive."""
     op = request.get("op")
@@ -181,4 +266,8 @@ def run_op(trainer: "Trainer", request: dict[str, Any]) -> dict[str, Any]:
         return optim_step(trainer, request)
     if op == "save_weights_for_sampler":
         return save_weights_for_sampler(trainer)
+    if op == "save_state":
+        return save_state(trainer, request)
+    if op == "load_state":
+        return load_state(trainer, request)
     raise InvalidRequest(f"unknown session op {op!r}; ops are {', '.join(OPS)}", param="op")

@@ -4,7 +4,6 @@ weights), the RL loop through a sampler of the published weights, and bad input 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,21 +14,7 @@ from tinker import types  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-KEY = "tml-scalarlm-test-key"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, serve_process) -> Iterator[tuple[str, Path]]:
-    env = {"SCALARLM_API_KEYS": KEY, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    with serve_process(tmp_path_factory.mktemp("tinker-server"), tiny_model_dir, env) as (url, home, _):
-        yield url, home
-
-
-@pytest.fixture(scope="module")
-def service(server: tuple[str, Path]) -> Iterator[Any]:
-    client = tinker.ServiceClient(base_url=server[0], api_key=KEY)
-    yield client
-    client.close("success").result()
+KEY = "tml-scalarlm-test-key"  # the shared server's key (conftest.py)
 
 
 def _datum(tokens: list[int], first_target: int = 1) -> types.Datum:

@@ -9,6 +9,7 @@ The routes that do the work are in service.py (training clients = session traine
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Annotated, Any
@@ -19,7 +20,7 @@ from fastapi.responses import JSONResponse
 from scalarlm.protocol.errors import Forbidden, InvalidRequest, Unauthorized
 from scalarlm.server.auth import KeyRing
 from scalarlm.server.deps import get_backend, get_state
-from scalarlm.server.routers.tinker import wire
+from scalarlm.server.routers.tinker import runs, wire
 from scalarlm.server.routers.tinker.sampling import sample
 from scalarlm.server.routers.tinker.service import TinkerService
 
@@ -131,9 +132,16 @@ async def finish_session(session_id: str, tinker: Tinker) -> Response:
     return Response(status_code=204)
 
 
+def owner(request: Request) -> str:
+    """Who a training run belongs to in listings: the key's printable id (`local` with auth off)."""
+    key = getattr(request.state, "api_key", None)
+    return key.key_id if key is not None else "local"
+
+
 @router.post("/create_model")
-async def create_model(body: Body, tinker: Tinker) -> dict[str, Any]:
-    model_id = tinker.create_model(_need(body, "base_model"), body.get("lora_config"), body.get("user_metadata"))
+async def create_model(request: Request, body: Body, tinker: Tinker) -> dict[str, Any]:
+    model_id = tinker.create_model(_need(body, "base_model"), body.get("lora_config"), body.get("user_metadata"),
+                                   owner(request))  # fmt: skip
 
     async def created() -> dict[str, Any]:
         return {"type": "create_model", "model_id": model_id}
@@ -168,10 +176,59 @@ async def save_weights_for_sampler(body: Body, tinker: Tinker) -> dict[str, Any]
 
 
 @router.post("/save_weights")
+async def save_weights(body: Body, tinker: Tinker) -> dict[str, Any]:
+    """save_state(name): weights + optimizer state as tinker://<model>/weights/<name> (ttl_seconds: kept until
+    deleted)."""
+    return await tinker.save_state(_need(body, "model_id"), _need(body, "path"), bool(body.get("overwrite")),
+                                   body.get("user_metadata"))  # fmt: skip
+
+
 @router.post("/load_weights")
-async def refused_state() -> None:
-    raise InvalidRequest("save_state / load_state are not supported by this server yet; the session's resume state "
-                         "is saved when it stops and continues on resume (POST /v1/megatron/resume/{model_id})")
+async def load_weights(request: Request, body: Body, tinker: Tinker) -> dict[str, Any]:
+    """load_state[_with_optimizer] into a training client (model_id), or a new client from saved state
+    (session_id + model_seq_id: the SDK's create_training_client_from_state[_with_optimizer])."""
+    path, optimizer = _need(body, "path"), bool(body.get("optimizer"))
+    if body.get("weights_access_token"):
+        raise InvalidRequest("weights_access_token is not supported: every run of this server is readable with a "
+                             "key that holds the train scope", param="weights_access_token")  # fmt: skip
+    if body.get("model_id"):
+        return await tinker.load_state(body["model_id"], path, optimizer)
+    if (body.get("optimizer_config") or {}).get("type", "adamw") != "adamw":
+        raise InvalidRequest("only Adam (optimizer_config type 'adamw') is supported", param="optimizer_config")
+    alias = f"{_need(body, 'session_id')}:train:{_need(body, 'model_seq_id')}"  # the model id the SDK derives
+    return await tinker.create_from_state(alias, path, optimizer, body.get("base_model"), body.get("user_metadata"),
+                                          owner(request))  # fmt: skip
+
+
+@router.post("/weights_info")
+async def weights_info(body: Body, tinker: Tinker) -> dict[str, Any]:
+    return await asyncio.to_thread(runs.weights_info, tinker, _need(body, "tinker_path"))
+
+
+@router.get("/training_runs")
+async def training_runs(tinker: Tinker, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+    return await asyncio.to_thread(runs.list_training_runs, tinker, limit, offset)
+
+
+@router.get("/training_runs/{run_id}")
+async def training_run(run_id: str, tinker: Tinker) -> dict[str, Any]:
+    return await asyncio.to_thread(runs.get_training_run, tinker, run_id)
+
+
+@router.get("/training_runs/{run_id}/checkpoints")
+async def run_checkpoints(run_id: str, tinker: Tinker) -> dict[str, Any]:
+    return await asyncio.to_thread(runs.list_checkpoints, tinker, run_id)
+
+
+@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
+async def delete_checkpoint(run_id: str, checkpoint_id: str, tinker: Tinker) -> Response:
+    await asyncio.to_thread(runs.delete_checkpoint, tinker, run_id, checkpoint_id)
+    return Response(status_code=204)
+
+
+@router.get("/checkpoints")
+async def checkpoints(tinker: Tinker, limit: int = 100, offset: int = 0) -> dict[str, Any]:
+    return await asyncio.to_thread(runs.list_user_checkpoints, tinker, limit, offset)
 
 
 @router.post("/create_sampling_session")
