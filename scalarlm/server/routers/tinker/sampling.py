@@ -66,8 +66,10 @@ def _prompt_logprobs(tokens: list[int], entries: list[Any] | None) -> list[float
         return None
     out: list[float | None] = []
     for token, entry in zip(tokens, entries):
-        hit = (entry or {}).get(str(token))
-        out.append(None if hit is None else float(hit["logprob"]))
+        # Keyed by token id: an int in-process (vLLM's dict[int, Logprob] dumped), a string once sent as JSON.
+        hit = (entry or {}).get(token, (entry or {}).get(str(token)))
+        value = hit.get("logprob") if isinstance(hit, dict) else getattr(hit, "logprob", None)
+        out.append(None if value is None else float(value))
     return out
 
 
@@ -95,4 +97,7 @@ async def sample(backend: InferenceBackend, catalog: ModelCatalog, sampler: Samp
             "stop_reason": "length" if choice.get("finish_reason") == "length" else "stop",
         })  # fmt: skip
     prompt = _prompt_logprobs(tokens, choices[0].get("prompt_logprobs")) if request.get("prompt_logprobs") else None
+    last_n = request.get("prompt_logprobs_last_n")
+    if prompt is not None and last_n:  # only the last N tokens are scored; the SDK checks that the rest are none
+        prompt = [None] * max(0, len(prompt) - int(last_n)) + prompt[max(0, len(prompt) - int(last_n)) :]
     return wire.encode_sample_response(sequences, prompt)

@@ -74,6 +74,8 @@ class TinkerService:
 
     def job_id(self, model_id: str) -> str:
         """The session job id a model id names: itself, or the job a client made from saved state runs in."""
+        if not isinstance(model_id, str):
+            raise InvalidRequest("model_id must be a string", param="model_id")
         if model_id in self.aliases:
             return self.aliases[model_id]
         if ":" in model_id:  # an alias made before a restart of this control plane
