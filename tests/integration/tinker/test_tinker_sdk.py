@@ -114,3 +114,25 @@ def test_bad_input_is_the_sdks_exceptions(service: Any, server: tuple[str, Path]
     with pytest.raises(tinker.AuthenticationError, match="invalid API key"):
         tinker.ServiceClient(base_url=server[0], api_key="tml-not-our-key").create_lora_training_client(
             base_model=base, rank=4).result()  # fmt: skip
+
+
+def test_rl_reward_rises_on_a_toy_task(service: Any) -> None:
+    """The RL loop on a toy task: reward = the share of sampled tokens in the lower half of the vocabulary (about
+    0.5 for the random base model). Sampling from each step's new weights, the reward rises."""
+    start = time.monotonic()
+    base = service.get_server_capabilities().supported_models[0].model_name
+    training = service.create_lora_training_client(base_model=base, rank=8,
+                                                   user_metadata={"adapter_type": "full"}).result()  # fmt: skip
+    sampler = training.save_weights_and_get_sampling_client().result()
+    means = []
+    for step in range(6):
+        params = types.SamplingParams(max_tokens=6, temperature=1.0, stop=[], seed=step)
+        seqs = sampler.sample(types.ModelInput.from_ints(PROMPT), num_samples=8, sampling_params=params).result().sequences
+        rewards = [sum(t < 256 for t in s.tokens) / len(s.tokens) for s in seqs]
+        means.append(sum(rewards) / len(rewards))
+        data = [_rl_datum(s.tokens, s.logprobs, r - means[-1]) for s, r in zip(seqs, rewards)]
+        training.forward_backward(data, "importance_sampling")
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        sampler = training.save_weights_and_get_sampling_client().result()
+    print(f"RL toy task, 6 steps: {time.monotonic() - start:.1f} s; mean reward per step {means}")
+    assert sum(means[-2:]) / 2 > max(0.75, means[0] + 0.2), means
