@@ -14,9 +14,6 @@ from tinker import types  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-KEY = "tml-scalarlm-test-key"  # the shared server's key (conftest.py)
-
-
 def _datum(tokens: list[int], first_target: int = 1) -> types.Datum:
     """Next-token prediction on `tokens`: input tokens[:-1], targets tokens[1:], weights 1 from `first_target`."""
     weights = [0.0] * (first_target - 1) + [1.0] * (len(tokens) - first_target)
