@@ -11,6 +11,7 @@ from scalarlm.inference.engine import Engine, start_engine
 from scalarlm.inference.hot_swap import WeightsManager
 from scalarlm.inference.openai_backend import VllmOpenAIBackend
 from scalarlm.inference.pull_loop import PullLoop
+from scalarlm.inference.reaper import EngineReaper
 from scalarlm.inference.versions import ModelVersions
 from scalarlm.protocol.backend import WorkSource
 
@@ -34,11 +35,16 @@ class InProcessWorker:
         self.engine: Engine | None = engine
         self._owns_engine = engine is None
         self.pull_loop: PullLoop | None = None
+        self.reaper: EngineReaper | None = None
 
     async def start(self, source: WorkSource) -> None:
         """Build the engine and the OpenAI serving objects, then start pulling from `source`."""
         if self.engine is None:
-            self.engine = start_engine(self.settings)
+            self.reaper = EngineReaper()  # its processes must not outlive this one, even SIGKILLed
+            try:
+                self.engine = start_engine(self.settings)
+            finally:
+                self.reaper.watch()  # a failed start may leave processes behind too
         weights = WeightsManager(self.engine, self.settings, self.versions)
         await self.backend.attach(self.engine, self.versions, weights)
         self.pull_loop = PullLoop(self.engine, source, self.settings, self.worker_id, weights=weights)
@@ -54,3 +60,6 @@ class InProcessWorker:
         if self.engine is not None and self._owns_engine:
             self.engine.shutdown()
             self.engine = None
+        if self.reaper is not None:
+            self.reaper.close()
+            self.reaper = None

@@ -19,6 +19,8 @@ import httpx
 import psutil
 import pytest
 
+from scalarlm.inference.reaper import descendants
+from scalarlm.launcher.process import is_alive
 from security_serve import serve
 
 STREAMS = 500
@@ -200,8 +202,16 @@ def test_sigterm_drains_then_sigkill_and_restart_lose_nothing(engine_server, hom
         deadline = time.monotonic() + 300
         while _queue_states(home).get("completed", 0) < done_before + 200 and time.monotonic() < deadline:
             time.sleep(0.2)
+        engine = descendants(proc2.pid)  # vLLM's EngineCore and what it started
+        assert engine, "no engine process under scalarlm serve"
         proc2.send_signal(signal.SIGKILL)
         proc2.wait()
+    # The engine's processes do not outlive the SIGKILLed server (its reaper stops them; before it, the EngineCore
+    # kept waiting on its sockets, holding its memory).
+    deadline = time.monotonic() + 30
+    while any(is_alive(pid, ticks) for pid, ticks in engine) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid, ticks in engine if is_alive(pid, ticks)], f"engine processes outlived the server: {engine}"
     killed_states = _queue_states(home)
     FIGURES.update(sigkill_states=killed_states)
     print(f"\nsigkill: {json.dumps(killed_states)}")
