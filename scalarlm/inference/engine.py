@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from scalarlm.config import CPU_KV_CACHE_BYTES, Settings, gpu_memory_split
 from scalarlm.inference.load import LoadTracker, stat_logger_factory
+from scalarlm.inference.worker_extension import WORKER_EXTENSION
 from scalarlm.inference.vllm_api import (
     AsyncEngineArgs,
     AsyncLLM,
@@ -74,6 +75,8 @@ def serve_cli_args(settings: Settings, device: Device | None = None) -> list[str
         "--seed", str(eng.seed),
         # Our pull loop and backend stamp their own fingerprint (model + weights version) on responses.
         "--fingerprint-mode", "none",
+        # Methods the hot-swap calls on the workers after reload_weights (inference/worker_extension.py).
+        "--worker-extension-cls", WORKER_EXTENSION,
     ]  # fmt: skip
     if eng.enforce_eager:
         argv.append("--enforce-eager")

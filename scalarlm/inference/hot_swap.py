@@ -176,6 +176,7 @@ class WeightsManager:
         started = time.perf_counter()
         try:
             await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+            await llm.collective_rpc("refresh_embedding_kernels")  # a tied output layer's packed copy, see there
         except Exception as exc:  # vLLM raises whatever the loader hit; the engine may hold a partial load
             await self._restore_full()
             raise ModelLoadFailed(f"model '{name}' version {version} could not be loaded from {path}: "
@@ -200,6 +201,7 @@ class WeightsManager:
             return
         try:
             await self.engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+            await self.engine.llm.collective_rpc("refresh_embedding_kernels")
             await self.engine.llm.reset_prefix_cache()
         except Exception:  # the next request of any model then reloads from scratch
             logger.exception("could not restore %s v%d after a failed swap", name, version)

@@ -29,6 +29,7 @@ from vllm.entrypoints.serve.exception_handling.handlers.validation import (  # v
 from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
 from vllm.envs import enable_envs_cache
 from vllm.lora.request import LoRARequest
+from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
 from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind
 from vllm.usage.usage_lib import UsageContext
@@ -53,8 +54,10 @@ __all__ = [
     "PrometheusStatLogger",
     "RequestOutputKind",
     "SamplingParams",
+    "UnquantizedEmbeddingMethod",
     "UsageContext",
     "VllmConfig",
+    "VocabParallelEmbedding",
     "_MAX_REPORTED_ERRORS",
     "_format_error",
     "clean_loc_for_param",

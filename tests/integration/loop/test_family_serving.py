@@ -74,19 +74,9 @@ def _train_and_compare(url: str, base: Path, adapter_type: str) -> None:
     assert any(answer.strip() for answer in expected)  # a real comparison, not empty strings
 
 
-# vLLM 0.32 serves SmolLM3 through its Transformers backend; after `reload_weights` the tied output layer keeps the
-# base weights (the served answers equal transformers with the base lm_head and the new embedding), so a full-weight
-# SmolLM3 checkpoint is served with a stale output layer. An inference-side bug; the checkpoint itself is right.
-STALE_TIED_HEAD = {("smollm3", "full")}
-
-
 @pytest.mark.parametrize("adapter_type", ["full", "lora"])
-def test_sft_job_is_served_like_transformers(family_server: tuple[str, str, Path], adapter_type: str,
-                                             request: pytest.FixtureRequest) -> None:  # fmt: skip
+def test_sft_job_is_served_like_transformers(family_server: tuple[str, str, Path], adapter_type: str) -> None:
     family, url, base = family_server
-    if (family, adapter_type) in STALE_TIED_HEAD:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="vLLM Transformers backend: reload_weights "
-                                              "leaves a tied lm_head at the base weights"))  # fmt: skip
     _train_and_compare(url, base, adapter_type)
 
 
