@@ -26,7 +26,7 @@ from scalarlm.protocol.generate import FinishWorkRequest, GetWorkRequest, WorkIt
 logger = logging.getLogger(__name__)
 
 KV_CACHE_FULL = 0.95  # no new work above this KV cache use (the engine would preempt)
-MAX_BACKOFF = 0.5  # seconds between polls of an empty queue, at most
+MAX_BACKOFF = 0.5  # seconds between polls of an empty queue, at most (or generate.poll_interval, if longer)
 FLUSH_DELAY = 0.02  # results finishing within this window go in one finish_work call (unless the engine is idle)
 FLUSH_MAX = 64  # ... unless this many are ready
 STOP_TIMEOUT = 30.0  # seconds stop() lets in-flight items finish
@@ -118,8 +118,12 @@ class PullLoop:
         return min(deficit, self.settings.generate.max_lease_batch)
 
     async def _pull_forever(self) -> None:
-        """Ask for work while there is room; back off while the queue is empty."""
+        """Ask for work while there is room; back off while the queue is empty.
+
+        `generate.poll_interval` is the first wait after an empty answer from a source that answers at once (and the
+        wait for a free slot); the wait doubles while the queue stays empty, up to MAX_BACKOFF or poll_interval."""
         poll = self.settings.generate.poll_interval
+        longest = max(MAX_BACKOFF, poll)
         backoff = poll
         while not self._stopping:
             if self.engine.llm.errored:
@@ -143,7 +147,7 @@ class PullLoop:
             except Exception as exc:  # the loop outlives any trouble reaching the control plane
                 logger.warning("get_work failed (%s: %s); retrying in %.2fs", type(exc).__name__, exc, backoff)
                 await self._pause(self._wake, backoff)
-                backoff = min(backoff * 2, MAX_BACKOFF)
+                backoff = min(backoff * 2, longest)
                 continue
             self.weights.update_catalog(reply.models)  # an empty reply still names the newest versions
             if not reply.requests:
@@ -152,7 +156,7 @@ class PullLoop:
                 # source that answered at once gets the growing back-off.
                 if time.monotonic() - asked < poll:
                     await self._pause(self._wake, backoff)
-                    backoff = min(backoff * 2, MAX_BACKOFF)
+                    backoff = min(backoff * 2, longest)
                 continue
             backoff = poll
             for item in reply.requests:
