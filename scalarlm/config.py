@@ -144,7 +144,8 @@ class Settings(BaseSettings):
     served_model_name: str | None = None
     # The local Hugging Face cache: `model` and a job's `llm_name` may be hub ids found there (never downloaded).
     hf_cache: Path = Field(default_factory=default_hf_cache)
-    log_level: str = "INFO"
+    # The level of the server's log (root logger and uvicorn, any case); a trainer's own log stays at INFO.
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     server: ServerSettings = Field(default_factory=ServerSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     generate: GenerateSettings = Field(default_factory=GenerateSettings)
@@ -155,6 +156,11 @@ class Settings(BaseSettings):
     @classmethod
     def _absolute_home(cls, v: Path) -> Path:
         return v.expanduser().resolve()
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper_level(cls, v: Any) -> Any:
+        return v.strip().upper() if isinstance(v, str) else v
 
     @property
     def base_model_name(self) -> str:
