@@ -68,3 +68,31 @@ def test_router_experts_and_layers_match_hf(results, model: str, tp: int) -> Non
     assert r["prob_diff"] <= TOLERANCE, r
     assert r["layer_diff"] <= TOLERANCE, r
     assert r["logit_diff"] <= TOLERANCE, r
+
+
+def test_full_sft_job_trains_router_and_experts_and_publishes_the_hub_layout(moe_models: dict[str, Path],
+                                                                             tmp_path: Path) -> None:  # fmt: skip
+    """A real trainer process (full weights, 4 steps) on tiny Qwen3-MoE: the published checkpoint holds exactly the
+    base's per-expert tensor names, router and every expert moved, and `transformers` opens it."""
+    import torch
+    from safetensors.torch import load_file
+    from trainer_jobs import losses, make_job, qa_rows, run_trainer, trainer_output
+    from transformers import AutoModelForCausalLM
+
+    base = moe_models["qwen3-moe"]
+    job = make_job(tmp_path, "moe-sft", base, qa_rows(), max_steps=4, learning_rate=1e-2, steps_per_checkpoint=4,
+                   max_seq_len=64, dtype="float32", adapter_type="full")  # fmt: skip
+    assert run_trainer(job, 1, timeout=300) == 0, trainer_output(job)[-3000:]
+    curve = losses(job)
+    assert len(curve) == 4 and all(torch.isfinite(torch.tensor(curve))) and curve[-1] < curve[0], curve
+    step = job.step_dir(4)
+    before, after = load_file(base / "model.safetensors"), load_file(step / "model.safetensors")
+    assert set(after) == set(before)  # the hub's per-expert layout, nothing added or dropped
+    for layer in range(2):
+        assert not torch.equal(after[f"model.layers.{layer}.mlp.gate.weight"], before[f"model.layers.{layer}.mlp.gate.weight"])
+        for e in range(4):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                name = f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
+                assert not torch.equal(after[name], before[name]), name  # every expert got tokens and was trained
+    reloaded = AutoModelForCausalLM.from_pretrained(step, dtype=torch.float32)
+    assert type(reloaded).__name__ == "Qwen3MoeForCausalLM"
