@@ -20,12 +20,14 @@ from typing import Literal
 logger = logging.getLogger(__name__)
 
 # `--family` names: the trainer's families (scalarlm.training.families) plus llama3 (Llama with llama3 RoPE).
-FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma3", "qwen3_moe", "mixtral")
-Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma3", "qwen3_moe", "mixtral"]
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "qwen3_moe",
+            "mixtral")  # fmt: skip
+Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "qwen3_moe",
+                 "mixtral"]  # fmt: skip
 # Mixture-of-experts tiny models: 4 experts, 2 per token, each expert's intermediate size hidden / 2.
 TINY_EXPERTS, TINY_TOPK = 4, 2
 # Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3, Gemma).
-TIED_BY_DEFAULT = frozenset({"qwen3", "llama3", "smollm3", "gemma3"})
+TIED_BY_DEFAULT = frozenset({"qwen3", "llama3", "smollm3", "gemma2", "gemma3"})
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<unk>"]
 # vLLM's CPU attention kernels support only these head sizes.
@@ -157,6 +159,14 @@ def _family_config(
     if family == "phi3":
         return transformers.Phi3Config(resid_pdrop=0.0, embd_pdrop=0.0, original_max_position_embeddings=max_position,
                                        **common)  # fmt: skip
+    if family == "gemma2":
+        # Gemma 2's alternating sliding/global layers and soft caps; caps small enough that tanh bends the tiny
+        # model's scores and logits (Gemma 2 9B: 50 and 30), so a missing cap would show in the parity tests.
+        return transformers.Gemma2Config(head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=8,
+                                         attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+                                         attention_bias=False, hidden_activation="gelu_pytorch_tanh",
+                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                         **common)  # fmt: skip
     if family == "gemma3":
         # Gemma 3's 5:1 sliding:global pattern shrunk to 1:1, with its two RoPE bases and attention scalar.
         types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
@@ -280,6 +290,7 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
                           config_overrides={"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
     "smollm3": dict(family="smollm3", hidden=256, heads=4, kv_heads=2, seed=5),
     "phi3": dict(family="phi3", hidden=256, heads=4, kv_heads=2, seed=6),
+    "gemma2": dict(family="gemma2", hidden=256, heads=4, kv_heads=2, seed=12),
     "gemma3": dict(family="gemma3", hidden=256, heads=4, kv_heads=2, seed=8),
     "qwen3-moe": dict(family="qwen3_moe", hidden=256, heads=4, kv_heads=2, seed=9),
     # HF's other routing (top-k of the softmax, not renormalised) and a dense layer between sparse ones.

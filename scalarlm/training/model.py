@@ -126,6 +126,19 @@ def _window_mask(n: int, window: int, device: torch.device) -> Tensor:
     return (offset >= 0) & (offset < window)
 
 
+def _softcapped_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, cap: float, scale: float | None,
+                          dropout_p: float) -> Tensor:  # fmt: skip
+    """Attention whose scores are soft-capped before the mask (HF's Gemma 2 eager attention): `cap * tanh(s / cap)`,
+    softmax in fp32. SDPA has no soft cap, so this is the explicit product (no fused kernel)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)  # as HF's additive mask: no NaN rows
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
+    return torch.matmul(probs, v)
+
+
 def _sdpa_attention_class(arch: ModelArch):
     """megatron's local DotProductAttention with its core replaced by torch SDPA (flash kernel on CPU and GPU)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -152,6 +165,10 @@ def _sdpa_attention_class(arch: ModelArch):
                 if window is not None:
                     local = _window_mask(q.shape[2], window, q.device)
                     allowed = local if allowed is None else allowed & local
+                if arch.attn_logit_softcap is not None:
+                    if allowed is None:
+                        allowed = _window_mask(q.shape[2], q.shape[2], q.device)  # causal
+                    return _softcapped_attention(q, k, v, allowed, arch.attn_logit_softcap, **opts)
                 if allowed is None:
                     return F.scaled_dot_product_attention(q, k, v, is_causal=True, **opts)
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, **opts)

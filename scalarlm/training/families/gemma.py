@@ -1,11 +1,14 @@
-"""Gemma 3 (text, `Gemma3ForCausalLM`), and the recognised families the trainer refuses, each with the reason.
+"""Gemma 3 (text, `Gemma3ForCausalLM`), Gemma 2 (`Gemma2ForCausalLM`), and the recognised families the trainer
+refuses, each with the reason.
 
 Gemma 3 differs from Llama in ways megatron-core 0.16.1 has no module for; `modules.py` adds them, driven by
 `ModelArch` fields: zero-centred `(1 + w)` RMSNorm computed in fp32 (all norms, q/k norms included), embeddings
 scaled by sqrt(hidden_size), output norms after attention and after the MLP (HF's `post_attention_layernorm` is
 one of them, not the pre-MLP norm), GeGLU with tanh GELU, attention scale `query_pre_attn_scalar ** -0.5`,
 per-layer sliding windows (`layer_types`) and a second RoPE base for the sliding layers; `linear` RoPE scaling
-(Gemma 3 4B+) on the global layers. Soft-capping (Gemma 2) and bidirectional attention are refused.
+(Gemma 3 4B+) on the global layers. Gemma 2 shares the norms, GeGLU, embedding scale and attention scalar, has no
+q/k norms and one RoPE base, alternates sliding and global layers, and soft-caps the attention scores and the final
+logits (`cap * tanh(x / cap)`, `attn_logit_softcap` / `final_logit_softcap`). Bidirectional attention is refused.
 """
 
 from __future__ import annotations
@@ -55,6 +58,38 @@ def _extra(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _gemma2_extra(config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2: Gemma's norms, embedding scale and attention scalar; soft-capping; one plain RoPE base."""
+    if config.get("use_bidirectional_attention"):
+        raise InvalidRequest("use_bidirectional_attention=true is not supported", param="model")
+    params = config.get("rope_parameters") or {**(config.get("rope_scaling") or {}), "rope_theta": config.get("rope_theta")}
+    theta, factor = _rope(params, "rope_parameters", 10_000.0)
+    if factor is not None:
+        raise InvalidRequest("rope_parameters: RoPE scaling is not supported for gemma2", param="model")
+    caps = {}
+    for name, field in (("attn_logit_softcapping", "attn_logit_softcap"),
+                        ("final_logit_softcapping", "final_logit_softcap")):  # fmt: skip
+        value = config.get(name)
+        if value is not None and not float(value) > 0:
+            raise InvalidRequest(f"{name}={value}: a soft cap must be positive (or null for none)", param="model")
+        caps[field] = float(value) if value is not None else None
+    return {
+        "rope_theta": theta,
+        "norm_offset": True,
+        "embedding_multiplier": int(config["hidden_size"]) ** 0.5,
+        "softmax_scale": float(config.get("query_pre_attn_scalar") or config.get("head_dim") or 256) ** -0.5,
+        **caps,
+    }
+
+
+def _gemma2_windows(config: dict[str, Any], layers: int) -> tuple[int | None, ...]:
+    """Gemma 2's `layer_types` (sliding, global, sliding, ... when absent, as transformers derives it)."""
+    if config.get("layer_types") is None and config.get("sliding_window") is not None:
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+        config = {**config, "layer_types": types}
+    return layer_type_windows(config, layers, True)
+
+
 def _windows(config: dict[str, Any], layers: int) -> tuple[int | None, ...]:
     """Gemma 3's `layer_types` (derived from `sliding_window_pattern` when absent, as transformers does)."""
     if config.get("layer_types") is None and config.get("sliding_window") is not None:
@@ -75,13 +110,19 @@ GEMMA3 = Family(
     notes="Gemma 3 text: (1 + w) norms, sandwich norms, GeGLU, two RoPE bases, per-layer windows",
 )
 
-_GEMMA = (
-    "Gemma 1/2 need logit soft-capping (Gemma 2) and Gemma-1 norms the trainer does not implement; "
-    "only Gemma 3 text (Gemma3ForCausalLM) is supported"
+GEMMA2 = Family(
+    name="gemma2",
+    architectures=("Gemma2ForCausalLM",),
+    activations=frozenset({"gelu_pytorch_tanh"}),
+    sandwich_norms=True,
+    windows=_gemma2_windows,
+    extra=_gemma2_extra,
+    notes="Gemma 2: (1 + w) norms, sandwich norms, GeGLU, alternating windows, attention and final soft-capping",
 )
 
 REFUSED = (
-    Refused(("GemmaForCausalLM", "Gemma2ForCausalLM"), _GEMMA),
+    Refused(("GemmaForCausalLM",), "Gemma 1 is not implemented; Gemma 2 (Gemma2ForCausalLM) and Gemma 3 text "
+                                   "(Gemma3ForCausalLM) are supported"),  # fmt: skip
     Refused(("Gemma3ForConditionalGeneration",),
             "multimodal Gemma 3 (4B+) checkpoints carry vision towers the trainer does not keep; "
             "train the text model (Gemma3ForCausalLM)"),  # fmt: skip

@@ -1,9 +1,9 @@
 """The layer pieces megatron-core 0.16.1 lacks, applied to a built GPTModel by small ordered functions (torch).
 
-Each is driven by one `ModelArch` field, never by the model type (Gemma 3 is what needs them today):
+Each is driven by one `ModelArch` field, never by the model type (Gemma 2 and 3 are what need them today):
 `norm_offset` swaps every RMSNorm for the zero-centred `x_hat * (1 + w)` one computed in fp32; `sandwich_norms`
 adds an output norm after attention and after the MLP; `embedding_multiplier` scales the embeddings;
-`local_rope_theta` gives the sliding-window layers their own RoPE base. Parameter names stay megatron's (plus
+`local_rope_theta` gives the sliding-window layers their own RoPE base; `final_logit_softcap` soft-caps the logits. Parameter names stay megatron's (plus
 `self_attention.post_norm` / `mlp.post_norm`), so the converter's rules name them.
 """
 
@@ -96,6 +96,18 @@ def apply_local_rope(model: nn.Module, arch: ModelArch, per_document_rope) -> No
             layer.self_attention.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+def apply_final_softcap(model: nn.Module, arch: ModelArch) -> None:
+    """Output logits become `cap * tanh(logits / cap)` (element-wise, so also on a TP rank's vocabulary shard), before
+    the loss reads them."""
+    cap = arch.final_logit_softcap
+
+    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+        logits, bias = output
+        return torch.tanh(logits / cap) * cap, bias
+
+    model.output_layer.register_forward_hook(hook)
+
+
 def adapt(model: nn.Module, arch: ModelArch, dtype: torch.dtype, per_document_rope) -> None:
     """Apply what `arch` needs beyond megatron's local layer spec, in order."""
     if arch.norm_offset:
@@ -106,3 +118,5 @@ def adapt(model: nn.Module, arch: ModelArch, dtype: torch.dtype, per_document_ro
         apply_embedding_multiplier(model, arch)
     if arch.local_rope_theta is not None:
         apply_local_rope(model, arch, per_document_rope)
+    if arch.final_logit_softcap is not None:
+        apply_final_softcap(model, arch)

@@ -64,6 +64,8 @@ class ModelArch:
     softmax_scale: float | None = None  # attention scale (None: head_dim ** -0.5)
     local_rope_theta: float | None = None  # RoPE base of the sliding-window layers when it differs (Gemma 3)
     rope_linear_factor: float | None = None  # `linear` RoPE scaling of the global layers (inv_freq / factor)
+    attn_logit_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
+    final_logit_softcap: float | None = None  # output logits -> cap * tanh(logits / cap) (Gemma 2)
     # Mixture of experts (0 experts = dense): routed experts per MoE layer, experts per token, each expert's
     # intermediate size, whether the top-k probabilities are renormalised to sum 1 (HF `norm_topk_prob`; Mixtral
     # always), which layers are MoE (empty = every layer) and the HF names (block, router, gate, up, down).

@@ -18,7 +18,7 @@ from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ["qwen3", "llama3", "phi3", "smollm3", "mistral", "gemma3"]
+FAMILIES = ["qwen3", "llama3", "phi3", "smollm3", "mistral", "gemma2", "gemma3"]
 PROMPTS = ["What is the capital of France?", "What do bees make?", "What colour is the sky?"]
 FACTS = [{"input": p, "output": o} for p, o in zip(PROMPTS, [" Paris", " honey", " blue"])]
 TOKENS = 6
@@ -44,7 +44,9 @@ def _hf_greedy(base: Path, checkpoint: Path) -> list[str]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     lora = (checkpoint / "adapter_config.json").exists()
-    model: Any = AutoModelForCausalLM.from_pretrained(base if lora else checkpoint, dtype=torch.float32)
+    # Eager attention: HF's SDPA path drops Gemma 2's attention soft cap (vLLM applies it).
+    model: Any = AutoModelForCausalLM.from_pretrained(base if lora else checkpoint, dtype=torch.float32,
+                                                      attn_implementation="eager")  # fmt: skip
     if lora:
         from peft import PeftModel
 

@@ -43,7 +43,8 @@ def check(model_dir: Path, par) -> dict:
             params[name].copy_(value)
     mark_tensor_parallel(model, arch)
     model.eval()
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # Eager attention: the reference computation (HF's SDPA path drops Gemma 2's attention soft cap).
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
 
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, arch.vocab_size, (2, 24), generator=gen)

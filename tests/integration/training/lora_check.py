@@ -68,7 +68,7 @@ def check(model_dir: Path, out: Path, par) -> dict:
         dist.barrier()
         return {}
     lora.write_adapter(out, lora.peft_state(model, arch), lora.peft_config(config, arch, str(model_dir)))
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
         plain = base(ids).logits
     peft_model = PeftModel.from_pretrained(base, str(out)).eval()

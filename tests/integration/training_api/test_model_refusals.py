@@ -88,9 +88,9 @@ def test_unknown_rope_type_is_named(serve, tiny_model_dir: Path, tmp_path: Path)
 @pytest.mark.parametrize(
     ("architecture", "words"),
     [("GPT2LMHeadModel", ("GPT2LMHeadModel", "not supported")),
-     ("Gemma2ForCausalLM", ("Gemma2ForCausalLM", "soft-capping")),
+     ("GemmaForCausalLM", ("GemmaForCausalLM", "Gemma 1 is not implemented")),
      ("Gemma3ForConditionalGeneration", ("Gemma3ForConditionalGeneration", "vision towers")),
-     ("MixtralForCausalLM", ("MixtralForCausalLM", "mixture-of-experts"))],
+     ("Qwen2MoeForCausalLM", ("Qwen2MoeForCausalLM", "mixture-of-experts"))],
 )  # fmt: skip
 def test_unsupported_architecture_is_named(serve, tiny_model_dir: Path, tmp_path: Path, architecture: str,
                                            words: tuple[str, ...]) -> None:  # fmt: skip

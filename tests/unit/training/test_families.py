@@ -46,8 +46,8 @@ def test_family_modules_import_no_torch() -> None:
 
 
 def test_registry_names_every_family_once() -> None:
-    assert {f.name for f in FAMILY_LIST} == {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma3",
-                                            "qwen3_moe", "mixtral"}
+    assert {f.name for f in FAMILY_LIST} == {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2",
+                                            "gemma3", "qwen3_moe", "mixtral"}
     assert all(FAMILIES[a] is f for f in FAMILY_LIST for a in f.architectures)
 
 
@@ -84,8 +84,8 @@ def test_fields_that_change_the_maths_are_refused_by_name(changes: dict, field: 
 
 
 def test_recognised_but_unsupported_families_say_why() -> None:
-    with pytest.raises(InvalidRequest, match=r"Gemma2ForCausalLM.*soft-capping"):
-        arch_of("Gemma2ForCausalLM")
+    with pytest.raises(InvalidRequest, match=r"GemmaForCausalLM.*Gemma 1 is not implemented"):
+        arch_of("GemmaForCausalLM")
     with pytest.raises(InvalidRequest, match=r"GPT2LMHeadModel.*supported: \[.*'LlamaForCausalLM'"):
         arch_of("GPT2LMHeadModel")
 
@@ -128,6 +128,28 @@ def test_gemma3_reads_its_norms_scales_windows_and_two_rope_bases() -> None:
         arch_of(**GEMMA3, rope_parameters={"full_attention": {"rope_type": "yarn"}, "sliding_attention": {}})
     with pytest.raises(InvalidRequest, match="hidden_act 'silu' is not supported for gemma3"):
         arch_of(**{**GEMMA3, "hidden_activation": None, "hidden_act": "silu"})
+
+
+GEMMA2 = {"architectures": ["Gemma2ForCausalLM"], "hidden_activation": "gelu_pytorch_tanh", "head_dim": 64,
+          "query_pre_attn_scalar": 256, "sliding_window": 4096, "tie_word_embeddings": True,
+          "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "num_hidden_layers": 4}  # fmt: skip
+
+
+def test_gemma2_reads_its_soft_caps_alternating_windows_and_one_rope_base() -> None:
+    arch = arch_of(**GEMMA2, rope_theta=10000.0)
+    assert (arch.attn_logit_softcap, arch.final_logit_softcap) == (50.0, 30.0)
+    assert arch.windows == (4096, None, 4096, None)  # transformers' default layer_types: sliding first
+    assert (arch.rope_theta, arch.local_rope_theta, arch.rope_linear_factor) == (10000.0, None, None)
+    assert arch.norm_offset and arch.sandwich_norms and not arch.qk_layernorm and arch.activation == "gelu_tanh"
+    assert arch.embedding_multiplier == 256**0.5 and arch.softmax_scale == 256**-0.5
+    uncapped = arch_of(**{**GEMMA2, "attn_logit_softcapping": None, "final_logit_softcapping": None})
+    assert (uncapped.attn_logit_softcap, uncapped.final_logit_softcap) == (None, None)
+    with pytest.raises(InvalidRequest, match="attn_logit_softcapping=0.0: a soft cap must be positive"):
+        arch_of(**{**GEMMA2, "attn_logit_softcapping": 0.0})
+    with pytest.raises(InvalidRequest, match="RoPE scaling is not supported for gemma2"):
+        arch_of(**GEMMA2, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.raises(InvalidRequest, match="use_bidirectional_attention"):
+        arch_of(**GEMMA2, use_bidirectional_attention=True)
 
 
 def test_tensor_names_are_strict() -> None:
