@@ -49,7 +49,9 @@ class TrainArgs(BaseModel):
     gradient_accumulation_steps: int = Field(1, ge=1, le=65_536)
     gradient_checkpointing: bool = False
     warmup_steps: int = Field(0, ge=0)
-    max_token_block_size: int | None = Field(None, ge=8)
+    # ScalarLM's name for the block length: when sent, it is `max_seq_len` (sending both with different values is
+    # a 400).
+    max_token_block_size: int | None = Field(None, ge=8, le=1_048_576)
     training_mode: Literal["language_model"] = "language_model"
     distribution_strategy: Literal["ddp", "fsdp", "megatron"] = "megatron"
     steps_per_checkpoint: int = Field(100, ge=1)
@@ -72,6 +74,8 @@ class TrainArgs(BaseModel):
     max_seq_len: int = Field(512, ge=8, le=1_048_576)
     pack: bool = True
     shuffle: bool = True
+    # Publish a servable checkpoint every this many steps (None: every `steps_per_checkpoint`); resume state is
+    # saved every `steps_per_checkpoint` steps, so a job can serve new weights often and save optimizer state rarely.
     steps_per_publish: int | None = Field(None, ge=1)
     loss: Literal["sft", "grpo", "dr_grpo"] = "sft"
     kl_coef: float = Field(0.0, ge=0)
@@ -93,12 +97,22 @@ class TrainArgs(BaseModel):
         if self.adapter_type == "tokenformer":
             raise ValueError("adapter_type 'tokenformer' is not supported; use 'lora' or 'full'")
         _refuse_unsupported(self)
+        self._block_length()
         ranks = self.world_size
         if ranks % self.tensor_parallel_size:
             raise ValueError(
                 f"tensor_parallel_size {self.tensor_parallel_size} must divide the number of ranks {ranks}"
             )
         return self
+
+    def _block_length(self) -> None:
+        """`max_token_block_size` (ScalarLM) and `max_seq_len` (ours) name one length: keep them equal."""
+        if self.max_token_block_size is None:
+            return
+        if "max_seq_len" in self.model_fields_set and self.max_seq_len != self.max_token_block_size:
+            raise ValueError(f"max_token_block_size {self.max_token_block_size} and max_seq_len {self.max_seq_len} "
+                             "name the same block length; send one of them")
+        self.max_seq_len = self.max_token_block_size
 
     @property
     def world_size(self) -> int:
@@ -107,6 +121,7 @@ class TrainArgs(BaseModel):
 
     @property
     def publish_every(self) -> int:
+        """Steps between published checkpoints."""
         return self.steps_per_publish or self.steps_per_checkpoint
 
 

@@ -7,7 +7,9 @@ weights are, so the exported A/B are exactly PEFT's ``lora_A`` / ``lora_B`` of t
 
 Tensor parallelism (kept simple): every rank holds the full A and B (replicated). Column-parallel layers compute
 the full delta and keep this rank's slice; row-parallel layers multiply their input shard by A's matching columns and
-all-reduce the rank-r product. The gradients of A (all layers) and of B (column layers) are then partial sums per TP
+all-reduce the rank-r product. Dropout (PEFT's `lora_dropout`, on the adapter's input in training mode only) draws
+its mask over the full input width on every rank from the same seeded generator and keeps this rank's columns, so a
+TP=2 job drops exactly what a TP=1 job does. The gradients of A (all layers) and of B (column layers) are then partial sums per TP
 rank and are all-reduced over TP before the optimizer step (`allreduce_lora_grads`); row-parallel B gradients are
 already identical on every TP rank. That all-reduce runs after the DP grad sync has finished (the trainer hands it to
 `Optimizer.step` as `after_sync`), never while DP bucket all-reduces of the same grads are in flight.
@@ -64,8 +66,17 @@ class LoraSet(nn.Module):
         self.kind = kind  # "column" or "row" parallel
         self.layout = layout  # how the fused HF modules sit in megatron's output (families.layouts)
         self.scale = scale
-        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.dropout = dropout
         self.enabled = True
+
+    def drop(self, x: Tensor, rank: int = 0, size: int = 1) -> Tensor:
+        """`x` (this TP rank's `rank`-th of `size` column shards of the input) with PEFT's dropout applied in training:
+        the mask is drawn for the full width and sliced, so every TP layout drops the same input elements."""
+        if not self.training or self.dropout == 0:
+            return x
+        keep = torch.empty(*x.shape[:-1], x.shape[-1] * size, dtype=x.dtype, device=x.device)
+        keep.bernoulli_(1 - self.dropout)
+        return x * torch.chunk(keep, size, dim=-1)[rank] / (1 - self.dropout)
 
 
 def _proj_shapes(arch: ModelArch) -> dict[str, tuple[int, int]]:
@@ -95,7 +106,7 @@ def _column_delta(lora: LoraSet, projs: tuple[str, ...], x: Tensor, arch: ModelA
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
     rank, size = tp
-    x = copy_to_tensor_model_parallel_region(lora.dropout(x))  # backward: sum the input grads of all TP ranks
+    x = copy_to_tensor_model_parallel_region(lora.drop(x))  # backward: sum the input grads of all TP ranks
     shapes = _proj_shapes(arch)
     lead = x.shape[:-1]
     parts = [_delta(lora, p, x) if p in lora.pairs else x.new_zeros(*lead, shapes[p][1]) for p in projs]
@@ -110,7 +121,7 @@ def _row_delta(lora: LoraSet, proj: str, x: Tensor, tp: tuple[int, int]) -> Tens
     rank, size = tp
     pair = lora.pairs[proj]
     a = torch.chunk(pair.A, size, dim=1)[rank].to(x.dtype)
-    low = reduce_from_tensor_model_parallel_region(lora.dropout(x) @ a.t())
+    low = reduce_from_tensor_model_parallel_region(lora.drop(x, rank, size) @ a.t())
     return low @ pair.B.t().to(x.dtype) * lora.scale
 
 

@@ -38,6 +38,7 @@ MORE_REFUSALS: list[tuple[dict[str, Any], str]] = [
     ({"dtype": "bfloat16", "gpus": 0}, "dtype 'bfloat16'"),
     ({"adapter_type": "tokenformer"}, "adapter_type"),
     ({"tensor_parallel_size": 2, "cpu_ranks": 3}, "tensor_parallel_size"),
+    ({"max_token_block_size": 16, "max_seq_len": 32}, "max_token_block_size"),  # one length under two names
 ]
 
 ENGINE_FLAGS = "tests/unit/inference/test_engine_settings_flags.py::test_engine_settings_are_the_engine_args_vllm_reads"
@@ -51,6 +52,8 @@ RESOURCES = ("tests/integration/training_api/test_train_routes.py::"
 TIME_LIMIT = "tests/integration/training_api/test_train_routes.py::test_time_limit_is_the_job_timeout_capped_by_max_train_seconds"
 SPLIT_MODE = "tests/integration/inference/test_split_mode.py::test_batch_and_openai_through_split_mode"
 STOP_RESUME = "tests/unit/launcher/test_stop_and_resume.py"
+ARG_EFFECTS = "tests/integration/training/test_train_arg_effects.py"
+PULL_BACKOFF = "tests/unit/inference/test_pull_backoff.py"
 GENERATE = "tests/unit/server/test_generate_settings.py"
 
 # Field -> tests that show its effect. A comment says what each shows where the test name does not.
@@ -76,7 +79,15 @@ EVIDENCE: dict[str, list[str]] = {
         "tests/integration/training/test_sft_jobs.py::test_gradient_checkpointing_job_reproduces_the_loss_curve",
     ],
     "TrainArgs.warmup_steps": [SCHEDULE],
-    "TrainArgs.steps_per_checkpoint": [SFT_JOB],  # manifests at steps 10, 20, ... with steps_per_checkpoint=10
+    "TrainArgs.steps_per_checkpoint": [
+        SFT_JOB,  # manifests at steps 10, 20, ... with steps_per_checkpoint=10
+        # with steps_per_publish set, resume state is saved at steps_per_checkpoint only
+        f"{ARG_EFFECTS}::test_checkpoints_are_published_every_steps_per_publish_and_state_saved_every_steps_per_checkpoint",
+    ],
+    "TrainArgs.steps_per_publish": [  # the job's checkpoints list is 2, 4, 5 with steps_per_publish 2, max_steps 5
+        f"{ARG_EFFECTS}::test_checkpoints_are_published_every_steps_per_publish_and_state_saved_every_steps_per_checkpoint",
+    ],
+    "TrainArgs.max_token_block_size": [f"{ARG_EFFECTS}::test_max_token_block_size_is_the_block_length"],
     "TrainArgs.gpus": [
         SBATCH_GPU,  # --gres=gpu:N and one task per GPU
         "tests/integration/training_api/test_train_routes.py::test_an_embedded_nodes_gpu_job_gets_the_trainers_share_of_each_gpu",
@@ -85,6 +96,9 @@ EVIDENCE: dict[str, list[str]] = {
     "TrainArgs.adapter_type": [SFT_JOB, LORA_JOB],  # "full": an HF checkpoint; "lora": a PEFT adapter only
     "TrainArgs.lora_config.r": [LORA_JOB],  # adapter_config.json r / lora_alpha
     "TrainArgs.lora_config.alpha": [LORA_JOB],
+    "TrainArgs.lora_config.dropout": [
+        f"{ARG_EFFECTS}::test_lora_dropout_changes_training_after_the_first_step_and_is_in_the_adapter_config",
+    ],
     "TrainArgs.lora_config.target_modules": [
         LORA_JOB,
         "tests/integration/training_api/test_model_refusals.py::test_lora_targets_and_tensor_parallel_are_checked_for_the_family",
@@ -143,6 +157,10 @@ EVIDENCE: dict[str, list[str]] = {
         ENGINE_FLAGS,
         "tests/unit/inference/test_engine_settings_flags.py::test_defaults_and_lora_off",
         "tests/unit/server/test_server_openai.py::test_models_health_and_embedded_worker_lifecycle",  # /v1/models id
+    ],
+    "Settings.log_level": [
+        "tests/unit/cli/test_log_level.py::test_serve_logs_at_the_configured_level",
+        "tests/unit/cli/test_log_level.py::test_an_unknown_level_is_refused_naming_log_level",
     ],
     "Settings.hf_cache": [
         "tests/unit/checkpoint/test_hub_cache.py::test_settings_serve_a_hub_id_from_its_snapshot_under_its_name",
@@ -221,6 +239,11 @@ EVIDENCE: dict[str, list[str]] = {
     "Settings.generate.max_batch_prompts": [
         "tests/unit/server/test_server_bad_input.py::test_batch_size_limit_applies_to_json_and_upload",
     ],
+    "Settings.generate.poll_interval": [  # the waits of an idle worker's pull loop
+        f"{PULL_BACKOFF}::test_an_idle_worker_waits_poll_interval_then_doubles_up_to_the_cap",
+        f"{PULL_BACKOFF}::test_a_poll_interval_beyond_the_cap_is_kept",
+        f"{PULL_BACKOFF}::test_a_source_that_long_polled_for_poll_interval_is_asked_again_at_once",
+    ],
     "Settings.generate.max_lease_batch": [f"{GENERATE}::test_leases_hold_at_most_max_lease_batch_for_lease_seconds"],
     "Settings.generate.result_retention_seconds": [
         f"{GENERATE}::test_finished_results_are_deleted_after_result_retention_seconds",
@@ -276,18 +299,7 @@ EVIDENCE: dict[str, list[str]] = {
 }
 
 # Accepted fields no test shows doing anything (and no refusal): what the code does with each, and why it is open.
-KNOWN_GAPS: dict[str, str] = {
-    "TrainArgs.max_token_block_size": "used as the block length instead of max_seq_len (training/loop.py) when set; "
-                                      "no test sets it",
-    "TrainArgs.steps_per_publish": "publish cadence (TrainArgs.publish_every, training/loop.py); no test shows a "
-                                   "job publishing at steps_per_publish rather than steps_per_checkpoint",
-    "TrainArgs.lora_config.dropout": "dropout on the LoRA input (training/lora.py) and lora_dropout in "
-                                     "adapter_config.json; no test sets it above 0",
-    "Settings.log_level": "sets the root logger and uvicorn level in cli/serve.py and worker_app.py; no test, and any "
-                          "string is accepted (an unknown level fails only when serve starts)",
-    "Settings.generate.poll_interval": "the worker pull loop's idle poll delay (inference/pull_loop.py); no test "
-                                       "shows it",
-}
+KNOWN_GAPS: dict[str, str] = {}
 
 
 def _walk(model: type[BaseModel], prefix: str) -> list[str]:
