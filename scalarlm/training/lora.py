@@ -9,10 +9,11 @@ Tensor parallelism (kept simple): every rank holds the full A and B (replicated)
 the full delta and keep this rank's slice; row-parallel layers multiply their input shard by A's matching columns and
 all-reduce the rank-r product. Dropout (PEFT's `lora_dropout`, on the adapter's input in training mode only) draws
 its mask over the full input width on every rank from the same seeded generator and keeps this rank's columns, so a
-TP=2 job drops exactly what a TP=1 job does. The gradients of A (all layers) and of B (column layers) are then partial sums per TP
-rank and are all-reduced over TP before the optimizer step (`allreduce_lora_grads`); row-parallel B gradients are
-already identical on every TP rank. That all-reduce runs after the DP grad sync has finished (the trainer hands it to
-`Optimizer.step` as `after_sync`), never while DP bucket all-reduces of the same grads are in flight.
+TP=2 job drops exactly what a TP=1 job does. The gradients of A (all layers) and of B (column layers) are then
+partial sums per TP rank and are all-reduced over TP before the optimizer step (`allreduce_lora_grads`); row-parallel B
+gradients are already identical on every TP rank. That all-reduce runs after the DP grad sync has finished (the
+trainer hands it to `Optimizer.step` as `after_sync`), never while DP bucket all-reduces of the same grads are in
+flight.
 """
 
 from __future__ import annotations
