@@ -2,7 +2,8 @@
 
 An SFT job (full weights, then LoRA) publishes a checkpoint that opens in `transformers` (PEFT for the adapter); the
 served greedy answer for the job, after the hot swap, equals `transformers` greedy on that checkpoint; one GRPO step
-trains and publishes. One module-scoped server per family, a few steps per job.
+trains and publishes. One module-scoped server per family, a few steps per job. Mixture-of-experts families
+(qwen3-moe) train full weights only: their LoRA job is refused at submission with a 400 naming adapter_type.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ["qwen3", "llama3", "phi3", "smollm3", "mistral", "gemma2", "gemma3"]
+FAMILIES = ["qwen3", "llama3", "phi3", "smollm3", "mistral", "gemma2", "gemma3", "qwen3-moe"]
+MOE = {"qwen3-moe"}  # LoRA refused (no MoE adapter rule yet)
 PROMPTS = ["What is the capital of France?", "What do bees make?", "What colour is the sky?"]
 FACTS = [{"input": p, "output": o} for p, o in zip(PROMPTS, [" Paris", " honey", " blue"])]
 TOKENS = 6
@@ -79,13 +81,28 @@ def _train_and_compare(url: str, base: Path, adapter_type: str) -> None:
 @pytest.mark.parametrize("adapter_type", ["full", "lora"])
 def test_sft_job_is_served_like_transformers(family_server: tuple[str, str, Path], adapter_type: str) -> None:
     family, url, base = family_server
+    if family in MOE and adapter_type == "full":
+        # Measured 2026-12: the job trains and publishes (per-expert hub layout; a fresh vLLM engine on it serves
+        # transformers' greedy tokens), but vLLM 0.32 CPU's `reload_weights` does not reload fused MoE experts
+        # ("RoutedExperts: Failed to load weights", w13_weight / w2_weight not loaded; the EngineCore then dies and
+        # the batch waits forever). Not run until the hot swap handles MoE.
+        pytest.xfail("vLLM 0.32 CPU reload_weights does not reload fused MoE experts (hot swap of a MoE model)")
+    if family in MOE and adapter_type == "lora":
+        from scalarlm.protocol.errors import InvalidRequest
+
+        llm = scalarlm.ScalarLM(api_url=url, timeout=600)
+        with pytest.raises(InvalidRequest, match="adapter_type 'lora' is not supported for qwen3_moe") as e:
+            llm.train(FACTS, train_args={**TRAIN, "adapter_type": "lora"})
+        assert e.value.param == "train_args"
+        return
     _train_and_compare(url, base, adapter_type)
 
 
 def test_one_grpo_step_trains_and_publishes(family_server: tuple[str, str, Path]) -> None:
-    _, url, _ = family_server
+    family, url, _ = family_server
     llm = scalarlm.ScalarLM(api_url=url, timeout=600)
     rows = [{"prompt": PROMPTS[0], "completion": c, "reward": r} for c, r in ((" Paris", 1.0), (" Rome", 0.0))]
-    job = llm.train(rows, train_args={**TRAIN, "max_steps": 1, "loss": "grpo", "batch_size": 1})
+    adapter = {"adapter_type": "full"} if family in MOE else {}
+    job = llm.train(rows, train_args={**TRAIN, "max_steps": 1, "loss": "grpo", "batch_size": 1, **adapter})
     assert job.wait(timeout=900).status == "COMPLETED", job.info()
     assert job.info().checkpoints == [1]
