@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -20,7 +21,8 @@ REQUIRED = {
     ("Deployment", "api"), ("Deployment", "worker"), ("Service", "api"), ("Service", "worker"),
     ("StatefulSet", "slurmctld"), ("StatefulSet", "slurmd"), ("Service", "slurmctld"), ("Service", "slurmd"),
     ("PersistentVolumeClaim", "shared"), ("ConfigMap", "settings"), ("ConfigMap", "slurm"),
-    ("Secret", "api-keys"), ("Secret", "munge"), ("Pod", "test-generate"), ("ConfigMap", "grafana-dashboard"),
+    ("Secret", "api-keys"), ("Secret", "munge"), ("Secret", "worker-key"), ("Pod", "test-generate"),
+    ("ConfigMap", "grafana-dashboard"),
 }
 
 
@@ -38,7 +40,7 @@ def test_template_is_yaml_after_stripping_actions(template):
 def test_templates_hold_every_required_kind():
     kinds = Counter(doc["kind"] for t in TEMPLATES for doc in parse_template(t.read_text()))
     assert kinds["Deployment"] == 2 and kinds["StatefulSet"] == 2 and kinds["Service"] == 4
-    assert kinds["PersistentVolumeClaim"] == 1 and kinds["ConfigMap"] == 3 and kinds["Secret"] == 2
+    assert kinds["PersistentVolumeClaim"] == 1 and kinds["ConfigMap"] == 3 and kinds["Secret"] == 3
     assert kinds["Pod"] == 1
 
 
@@ -223,6 +225,45 @@ def test_scoped_keys_file_is_mounted_in_the_api_pod_only():
     assert volumes["keys-file"]["secret"]["secretName"] == "team-keys"
     worker = yaml.safe_load(manifests["scalarlm/templates/worker-deployment.yaml"])
     assert "team-keys" not in json.dumps(worker)
+
+
+def _worker_key_file(manifests: dict[str, str], template: str) -> tuple[str, str]:
+    """(the SCALARLM_WORKER_KEY_FILE a deployment's pod reads, the Secret mounted where it points)."""
+    deployment = yaml.safe_load(manifests[f"scalarlm/templates/{template}"])
+    (container,) = _containers(deployment)
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    path = env["SCALARLM_WORKER_KEY_FILE"]
+    mount = mounts[str(Path(path).parent)]
+    return path, volumes[mount]["secret"]["secretName"]
+
+
+def test_the_worker_key_comes_from_one_chart_secret_mounted_in_the_api_and_worker_pods(monkeypatch):
+    from scalarlm.config import load_settings
+
+    with helm.Chart.load(str(CHART)) as chart:
+        manifests = chart.render(load_values(CHART / "values.yaml"), name="prod", namespace="ml")
+    secret = yaml.safe_load(manifests["scalarlm/templates/secret-worker-key.yaml"])
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"  # kept across upgrades
+    assert len(base64.b64decode(secret["data"]["worker.key"]).decode()) >= 32
+    api = _worker_key_file(manifests, "api-deployment.yaml")
+    worker = _worker_key_file(manifests, "worker-deployment.yaml")
+    assert api == worker == ("/etc/scalarlm-worker-key/worker.key", secret["metadata"]["name"])
+    monkeypatch.setenv("SCALARLM_WORKER_KEY_FILE", api[0])  # the pods' env is the setting's shortcut
+    assert load_settings().server.worker_key_file == Path(api[0])
+    for text in manifests.values():  # the key itself travels in the Secret only
+        assert secret["data"]["worker.key"] not in text or text == manifests["scalarlm/templates/secret-worker-key.yaml"]
+
+
+def test_an_existing_worker_key_secret_is_mounted_and_none_is_created():
+    values = load_values(CHART / "values.yaml")
+    values["auth"]["workerKeySecret"] = "team-worker-key"
+    with helm.Chart.load(str(CHART)) as chart:
+        manifests = chart.render(values, name="prod", namespace="ml")
+    assert not (manifests.get("scalarlm/templates/secret-worker-key.yaml") or "").strip()
+    for template in ("api-deployment.yaml", "worker-deployment.yaml"):
+        assert _worker_key_file(manifests, template)[1] == "team-worker-key"
 
 
 def test_grafana_dashboard_configmap_carries_the_sidecar_label_and_parses(rendered):

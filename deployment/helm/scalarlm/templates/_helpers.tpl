@@ -53,6 +53,29 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- default (printf "%s-api-keys" (include "scalarlm.fullname" .)) .Values.auth.existingSecret -}}
 {{- end -}}
 
+{{/* The worker key (scope `worker`): the API and the workers present it to each other (server.worker_key_file). */}}
+{{- define "scalarlm.workerKeySecret" -}}
+{{- default (printf "%s-worker-key" (include "scalarlm.fullname" .)) .Values.auth.workerKeySecret -}}
+{{- end -}}
+
+{{- define "scalarlm.workerKeyEnv" -}}
+- name: SCALARLM_WORKER_KEY_FILE
+  value: /etc/scalarlm-worker-key/worker.key
+{{- end -}}
+
+{{- define "scalarlm.workerKeyMount" -}}
+- name: worker-key
+  mountPath: /etc/scalarlm-worker-key
+  readOnly: true
+{{- end -}}
+
+{{- define "scalarlm.workerKeyVolume" -}}
+- name: worker-key
+  secret:
+    secretName: {{ include "scalarlm.workerKeySecret" . }}
+    defaultMode: 0440  # group-readable: non-root pods read it through fsGroup
+{{- end -}}
+
 {{- define "scalarlm.mungeSecret" -}}
 {{- default (printf "%s-munge" (include "scalarlm.fullname" .)) .Values.munge.existingSecret -}}
 {{- end -}}
