@@ -11,9 +11,11 @@
 * A step consumes the next `global_batch = batch_size * gradient_accumulation_steps * DP` blocks of the stream;
   rank r's micro-batch m is the `batch_size` blocks at ``(m * DP + r) * batch_size``. Every rank sees the whole
   global batch's token counts, so the loss is normalised by the global number of completion tokens.
-* SFT micro-batches are padding-free (`collate_packed`): the rank's blocks end to end in one [1, T] row, with the
-  document bounds for attention, so no compute is spent on padding (13% of the benchmark's padded tokens).
-  `collate` (padded [B, L] rows and a [B, 1, L, L] mask) serves GRPO and sessions; both give the same loss.
+* Every training micro-batch is padding-free (`collate_packed`): the rank's blocks end to end in one [1, T] row,
+  with the document bounds for attention, so no compute is spent on padding (13% of the SFT benchmark's padded
+  tokens). SFT jobs (`step_batch`), session SFT steps (`spread_batch`) and GRPO (`grpo.rl_micro_batches`) all pack
+  with `pack`. `collate` (padded [B, L] rows and a [B, 1, L, L] mask) is the reference layout the parity checks
+  compare against; both give the same loss and gradients.
 """
 
 from __future__ import annotations
@@ -250,6 +252,15 @@ def step_batch(
         start = (m * dp_size + dp_rank) * batch_size
         mine = blocks[start : start + batch_size]
         micro.append(collate_packed(mine, pad_id) if packed else collate(mine, pad_id))
+    loss_tokens = sum(sum(b.targets[1:]) for b in blocks) - _cross_doc_targets(blocks)
+    return StepBatch(micro, loss_tokens, sum(len(b.tokens) for b in blocks))
+
+
+def spread_batch(blocks: Sequence[Block], batch_size: int, dp_size: int, dp_rank: int, pad_id: int) -> StepBatch:
+    """All of `blocks` as one global batch (a session request's): this DP rank's blocks r, r + DP, ..., padding-free,
+    `batch_size` blocks per micro-batch (a rank may get none when there are fewer blocks than ranks)."""
+    mine = list(blocks[dp_rank::dp_size])
+    micro = [collate_packed(mine[i : i + batch_size], pad_id) for i in range(0, len(mine), batch_size)]
     loss_tokens = sum(sum(b.targets[1:]) for b in blocks) - _cross_doc_targets(blocks)
     return StepBatch(micro, loss_tokens, sum(len(b.tokens) for b in blocks))
 

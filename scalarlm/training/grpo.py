@@ -23,7 +23,7 @@ from torch import Tensor
 from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.protocol.training import RLRow
 from scalarlm.training.chat import prompt_ids
-from scalarlm.training.data import Block, Document, MicroBatch, collate, encode_row
+from scalarlm.training.data import Document, MicroBatch, collate_packed, pack
 from scalarlm.training.rows import Row, read_rl_objects, rl_row_from_object
 
 ADV_EPS = 1e-4
@@ -140,7 +140,8 @@ def encode_rl_rows(tokenizer: Any, rows: Sequence[RLRow], loss: str, max_len: in
 
 @dataclass
 class RLMicroBatch:
-    """A micro-batch plus per-target-position (aligned with labels) advantage, sampling logprob and weight."""
+    """A padding-free micro-batch plus per-position (aligned with its labels, [1, T]) advantage, sampling logprob,
+    whether that logprob is known, and normalising weight."""
 
     batch: MicroBatch
     advantages: Tensor
@@ -164,29 +165,38 @@ def token_weights(docs: Sequence[RLDoc], loss: str) -> list[float]:
     return [1.0 / (length * n) for length in lengths]
 
 
-def rl_micro_batches(docs: Sequence[RLDoc], weights: Sequence[float], rows_per_micro: int, pad_id: int) -> list[RLMicroBatch]:
-    """One document per block, `rows_per_micro` blocks per micro-batch (all of a step: groups stay together)."""
-    out = []
-    for start in range(0, len(docs), rows_per_micro):
-        chunk = list(range(start, min(start + rows_per_micro, len(docs))))
-        blocks = [Block(docs[i].doc.tokens, docs[i].doc.targets, (0,)) for i in chunk]
-        mb = collate(blocks, pad_id)
-        shape = mb.labels.shape
-        adv, old, has_old, w = (torch.zeros(shape) for _ in range(4))
-        for b, i in enumerate(chunk):
-            d = docs[i]
-            positions = [p for p in range(1, len(d.doc.tokens)) if d.doc.targets[p]]
-            for j, p in enumerate(positions):
-                adv[b, p - 1] = d.advantage
-                w[b, p - 1] = weights[i]
-                if d.old_logprobs is not None:
-                    # old_logprobs cover every completion token; the first target may be position 0 only if the
-                    # prompt was empty (never predicted), so align from the end.
-                    k = len(d.old_logprobs) - len(positions) + j
-                    if 0 <= k < len(d.old_logprobs):
-                        old[b, p - 1] = d.old_logprobs[k]
-                        has_old[b, p - 1] = 1.0
-        out.append(RLMicroBatch(mb, adv, old, has_old, w))
+def doc_token_inputs(doc: RLDoc, weight: float) -> Tensor:
+    """[4, len(tokens)] advantage, sampling logprob, has-logprob and weight of one document, at the position that
+    predicts each completion token (position p - 1 for target p, as its labels); zero elsewhere."""
+    n = len(doc.doc.tokens)
+    out = torch.zeros(4, n)
+    positions = [p for p in range(1, n) if doc.doc.targets[p]]
+    for j, p in enumerate(positions):
+        out[0, p - 1], out[3, p - 1] = doc.advantage, weight
+        if doc.old_logprobs is not None:
+            # old_logprobs cover every completion token; the first target may be position 0 only if the prompt was
+            # empty (never predicted), so align from the end.
+            k = len(doc.old_logprobs) - len(positions) + j
+            if 0 <= k < len(doc.old_logprobs):
+                out[1, p - 1], out[2, p - 1] = doc.old_logprobs[k], 1.0
+    return out
+
+
+def rl_micro_batches(
+    docs: Sequence[RLDoc], weights: Sequence[float], max_len: int, blocks_per_micro: int, pad_id: int
+) -> list[RLMicroBatch]:
+    """The documents packed end to end as SFT's (`data.pack` into blocks of at most `max_len` tokens, in order),
+    `blocks_per_micro` blocks per padding-free micro-batch (`collate_packed`: attention within each document); each
+    document's advantages, sampling logprobs and weights ride along at its own positions."""
+    blocks = pack([d.doc for d in docs], range(len(docs)), max_len, packing=True)
+    inputs = [doc_token_inputs(d, w) for d, w in zip(docs, weights)]
+    out, first = [], 0
+    for start in range(0, len(blocks), blocks_per_micro):
+        chunk = blocks[start : start + blocks_per_micro]
+        n_docs = sum(len(b.doc_starts) for b in chunk)  # pack keeps the order: these are the next n_docs documents
+        per_token = torch.cat(inputs[first : first + n_docs], dim=1).unsqueeze(1)  # [4, 1, T]
+        first += n_docs
+        out.append(RLMicroBatch(collate_packed(chunk, pad_id), *per_token))
     return out
 
 

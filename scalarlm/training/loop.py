@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -31,11 +30,11 @@ from scalarlm.protocol.training import CheckpointManifest, TrainArgs, TrainJobCo
 from scalarlm.training import hf_io
 from scalarlm.training.convert import mark_tensor_parallel
 from scalarlm.training import lora
-from scalarlm.training.data import BlockStream, DataStats, StepBatch, encode_rows, step_batch
+from scalarlm.training.data import BlockStream, DataStats, MicroBatch, StepBatch, encode_rows, step_batch
 from scalarlm.training.export import publish_checkpoint
 from scalarlm.training.grpo import GroupStream
 from scalarlm.training.rl_step import grpo_step
-from scalarlm.training.losses import sft_loss, token_losses
+from scalarlm.training.losses import sft_loss
 from scalarlm.training.notify import notify_published
 from scalarlm.training.model import build_gpt_model, model_arch
 from scalarlm.training.optim import build_optimizer, wrap_data_parallel
@@ -43,6 +42,7 @@ from scalarlm.training.parallel import Parallel
 from scalarlm.training.rows import Row
 from scalarlm.training.schedule import lr_at
 from scalarlm.training.shard_load import load_rank_params
+from scalarlm.training.step import run_step
 from scalarlm.training.state import latest_state, load_state, save_state
 
 logger = logging.getLogger(__name__)
@@ -87,10 +87,9 @@ class Trainer:
             self.ref_model = self._build_model(trained=False).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
-        # Overlapped grad all-reduce for SFT only: sft_step runs all but its last micro-batch under no_sync().
-        self.ddp = wrap_data_parallel(
-            self.model if not self.bf16 else self._half(self.model), par, overlap=args.loss == "sft"
-        )
+        # Overlapped grad all-reduce (DP > 1) for every loss: the step driver (step.py) runs all but each step's last
+        # micro-batch under no_sync(), and Tinker's forward_backward all of them (its optim_step starts the sync).
+        self.ddp = wrap_data_parallel(self.model if not self.bf16 else self._half(self.model), par, overlap=True)
         self.optimizer = build_optimizer(self.ddp, args, par, self.bf16)
         self.step = 0
         self.tokens_seen = 0
@@ -198,33 +197,22 @@ class Trainer:
 
     def sft_step(self, batch: StepBatch) -> dict[str, Any]:
         """One optimizer step of the SFT loss over this rank's share of `batch`; returns its metrics row."""
-        start = time.perf_counter()
-        par = self.par
-        self.ddp.train()
-        self.optimizer.zero_grad()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=par.device)
-        last = len(batch.micro_batches) - 1
-        for i, micro in enumerate(batch.micro_batches):
-            micro = micro.to(par.device)
-            with nullcontext() if i == last else self.ddp.no_sync():  # the last backward starts the all-reduce
-                loss = sft_loss(token_losses(self.ddp, micro), micro.loss_mask, batch.global_loss_tokens)
-                loss.backward()
-            loss_sum += loss.detach().double()
-        lr, grad_norm = self.optimizer_step()
-        if par.dp_size > 1:
-            dist.all_reduce(loss_sum, group=par.dp_group)
-        self.step += 1
+
+        def loss_fn(i: int, micro: MicroBatch, token_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            loss = sft_loss(token_loss, micro.loss_mask, batch.global_loss_tokens)
+            return loss, loss.detach().reshape(1)
+
+        result = run_step(self, batch.micro_batches, loss_fn, n_stats=1)
         self.tokens_seen += batch.global_tokens
-        elapsed = time.perf_counter() - start
         return {
             "step": self.step,
-            "loss": float(loss_sum),
-            "lr": lr,
-            "grad_norm": grad_norm,
+            "loss": float(result.sums[0]),
+            "lr": result.lr,
+            "grad_norm": result.grad_norm,
             "tokens": batch.global_tokens,
             "loss_tokens": batch.global_loss_tokens,
-            "tokens_per_second": batch.global_tokens / elapsed if elapsed > 0 else 0.0,
-            "step_seconds": elapsed,
+            "tokens_per_second": batch.global_tokens / result.seconds if result.seconds > 0 else 0.0,
+            "step_seconds": result.seconds,
             "epoch": self.stream.epoch if self.stream else 0,
             "tokens_seen": self.tokens_seen,
             "time": time.time(),

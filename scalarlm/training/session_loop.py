@@ -1,10 +1,10 @@
 """Session mode: the model and optimizer stay in memory; one optimizer step per submitted request file.
 
 Loop (every rank): wait for `session/request-<k>.jsonl` (ranks agree collectively), take one step (GRPO if
-`train_args.loss` is grpo/dr_grpo, else SFT), publish `checkpoints/step-<version>`, and rank 0 writes
-`session/result-<k>.json`. A bad batch yields a result with `error` and no step. `session/end` ends the session
-(COMPLETED); SIGTERM / cancel stop it like a normal job (state saved). Request k follows the last result written,
-so a restarted (resumed) session continues where it stopped.
+`train_args.loss` is grpo/dr_grpo, else SFT; both padding-free through the step driver, step.py), publish
+`checkpoints/step-<version>`, and rank 0 writes `session/result-<k>.json`. A bad batch yields a result with `error`
+and no step. `session/end` ends the session (COMPLETED); SIGTERM / cancel stop it like a normal job (state saved).
+Request k follows the last result written, so a restarted (resumed) session continues where it stopped.
 
 The poll runs every 15 ms right after a step and backs off in proportion to the idle time (at most 2% of it, up
 to 0.5 s), so a client computing rewards for seconds pays little and an idle trainer costs nearly nothing.
@@ -34,7 +34,7 @@ from pydantic import ValidationError
 from scalarlm.checkpoint.session import SessionDir, batch_version, stale_message
 from scalarlm.protocol.errors import Conflict, InvalidRequest, ScalarLMError
 from scalarlm.protocol.training import SessionStepResult
-from scalarlm.training.data import StepBatch, _cross_doc_targets, encode_rows, pack
+from scalarlm.training.data import StepBatch, encode_rows, pack, spread_batch
 from scalarlm.training.rl_step import grpo_step
 from scalarlm.training.rows import parse_row
 from scalarlm.training.tinker_ops import is_op_request, run_op
@@ -56,17 +56,11 @@ def poll_interval(idle_seconds: float) -> float:
 
 
 def sft_batch(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> StepBatch:
-    """All of `raw_rows` as one global SFT batch (packed), split into this DP rank's micro-batches."""
-    from scalarlm.training.data import collate
-
+    """All of `raw_rows` as one global SFT batch (packed, padding-free), split into this DP rank's micro-batches."""
     rows = [parse_row(json.dumps(r), i + 1) for i, r in enumerate(raw_rows)]
     docs, _ = encode_rows(trainer.tokenizer, rows, trainer.max_len)
     blocks = pack(docs, range(len(docs)), trainer.max_len, trainer.args.pack)
-    par, size = trainer.par, trainer.args.batch_size
-    mine = blocks[par.dp_rank :: par.dp_size]
-    micro = [collate(mine[i : i + size], trainer.pad_id) for i in range(0, len(mine), size)]
-    loss_tokens = sum(sum(b.targets[1:]) for b in blocks) - _cross_doc_targets(blocks)
-    return StepBatch(micro, loss_tokens, sum(len(b.tokens) for b in blocks))
+    return spread_batch(blocks, trainer.args.batch_size, trainer.par.dp_size, trainer.par.dp_rank, trainer.pad_id)
 
 
 def session_step(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> dict[str, Any]:

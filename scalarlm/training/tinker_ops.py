@@ -29,6 +29,7 @@ from scalarlm.training import lora
 from scalarlm.training.data import MicroBatch
 from scalarlm.training.losses import token_losses
 from scalarlm.training.optim import build_optimizer
+from scalarlm.training.step import start_accumulated_sync
 
 if TYPE_CHECKING:
     from scalarlm.training.loop import Trainer
@@ -116,7 +117,8 @@ def forward_backward(trainer: "Trainer", request: dict[str, Any], backward: bool
     for i, (datum, batch) in enumerate(zip(data, batches)):
         batch = batch.to(trainer.par.device)
         context = torch.enable_grad() if backward else torch.no_grad()
-        with context:
+        # Gradients accumulate over any number of calls: the DP all-reduce waits for optim_step (no_sync here).
+        with context, trainer.ddp.no_sync():
             logp = -token_losses(trainer.ddp, batch).float()[0]
             per_token = elementwise_loss(loss_fn, logp, datum, i, config)
             loss = per_token.sum()
@@ -152,6 +154,7 @@ def optim_step(trainer: "Trainer", request: dict[str, Any]) -> dict[str, Any]:
     par = trainer.par
     lr = set_adam_params(trainer, request.get("adam_params") or {})
     sum_lora = partial_lora_sum(trainer)
+    start_accumulated_sync(trainer.ddp)
     grad_norm = trainer.optimizer.step(lr, after_sync=sum_lora)
     trainer.optimizer.zero_grad()
     trainer.step += 1

@@ -17,6 +17,7 @@ from scalarlm.training.data import (
     encode_row,
     encode_rows,
     pack,
+    spread_batch,
     step_batch,
 )
 from scalarlm.training.rows import Row
@@ -133,3 +134,15 @@ def test_dp_ranks_split_the_global_batch_and_share_its_token_count() -> None:
     assert one.global_loss_tokens == sum(int(m.loss_mask.sum()) for m in one.micro_batches)
     seen = sorted(tuple(row.tolist()) for r in ranks for m in r.micro_batches for row in m.tokens)
     assert seen == sorted(tuple(row.tolist()) for m in one.micro_batches for row in m.tokens)
+
+
+def test_a_session_batch_spreads_its_blocks_over_ranks_padding_free() -> None:
+    blocks = pack(_docs(9), range(9), max_len=12, packing=True)
+    one = spread_batch(blocks, batch_size=2, dp_size=1, dp_rank=0, pad_id=0)
+    ranks = [spread_batch(blocks, batch_size=2, dp_size=2, dp_rank=r, pad_id=0) for r in range(2)]
+    assert all(m.attention_mask is None and m.tokens.shape[0] == 1 for r in (one, *ranks) for m in r.micro_batches)
+    in_loss = sum(int(m.loss_mask.sum()) for m in one.micro_batches)
+    assert one.global_loss_tokens == ranks[0].global_loss_tokens == in_loss
+    seen = sorted(t for r in ranks for m in r.micro_batches for t in m.tokens[0].tolist())
+    assert seen == sorted(t for b in blocks for t in b.tokens)
+    assert spread_batch(blocks[:1], 2, dp_size=2, dp_rank=1, pad_id=0).micro_batches == []  # nothing for rank 1

@@ -1,5 +1,6 @@
 """GRPO / Dr. GRPO: advantages and the clipped objective against a direct NumPy computation; zero-advantage groups
-give exactly zero gradient; tokenized rows line up their advantages, sampling logprobs and normalising weights."""
+give exactly zero gradient; tokenized rows line up their advantages, sampling logprobs and normalising weights, in
+padding-free micro-batches that split the documents between them in order."""
 
 from __future__ import annotations
 
@@ -125,13 +126,15 @@ def test_rows_line_up_with_tokens(tiny_model_dir: Path) -> None:
         assert stats["logprobs_mismatched_rows"] == 1 and stats["groups"] == 2
         assert docs[0].doc.tokens[-1] == tok.eos_token_id and sum(docs[0].doc.targets) == n + 1
         weights = token_weights(docs, loss)
-        (mb,) = rl_micro_batches(docs, weights, 8, pad_id=0)
+        (mb,) = rl_micro_batches(docs, weights, 64, 8, pad_id=0)  # padding-free: one [1, T] row
+        assert mb.batch.tokens.shape == (1, sum(len(d.doc.tokens) for d in docs)) and mb.batch.attention_mask is None
         assert torch.equal(mb.has_old.bool(), (mb.old_logprobs == -0.5))
         assert mb.has_old.sum().item() == n + 1
         assert torch.equal((mb.weights > 0).float(), mb.batch.loss_mask)
         if loss == "grpo":
             assert mb.weights.sum().item() == pytest.approx(1.0)
-        assert mb.advantages[2].abs().sum().item() == 0.0  # a singleton group has no advantage
+        start, end = mb.batch.doc_bounds[2:4]
+        assert mb.advantages[0, start:end].abs().sum().item() == 0.0  # a singleton group has no advantage
 
 
 def test_bad_rows_are_rejected() -> None:
@@ -165,3 +168,25 @@ def test_sampled_token_ids_are_trained_as_sampled(tiny_model_dir: Path) -> None:
     assert docs[2].old_logprobs is None  # one logprob for several tokens: counted, trains on-policy
     assert list(docs[3].doc.tokens[prompt:]) == ids + [tok.eos_token_id]  # foreign ids: the text is trained
     assert stats["logprobs_mismatched_rows"] == 2
+
+
+def test_packed_micro_batches_split_documents_in_order_without_padding(tiny_model_dir: Path) -> None:
+    """Documents pack into blocks of at most max_len tokens, `blocks_per_micro` blocks per micro-batch; each
+    document's advantage rides along at its own completion positions and nothing is padded."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = parse_rl_rows([{"prompt": f"{i}+{i}=", "completion": " x" * (1 + i % 5), "reward": float(i % 3),
+                           "group": str(i // 3)} for i in range(12)])  # fmt: skip
+    docs, _ = encode_rl_rows(tok, rows, "grpo", max_len=32)
+    micro = rl_micro_batches(docs, token_weights(docs, "grpo"), 32, 2, pad_id=0)
+    assert len(micro) > 1 and all(m.batch.tokens.shape[1] <= 2 * 32 for m in micro)
+    flat = [t for m in micro for t in m.batch.tokens[0].tolist()]
+    assert flat == [t for d in docs for t in d.doc.tokens]  # every document once, in order, no padding
+    advs = torch.cat([m.advantages[0] for m in micro])
+    masks = torch.cat([m.batch.loss_mask[0] for m in micro])
+    offset = 0
+    for d in docs:
+        n = len(d.doc.tokens)
+        assert torch.all(advs[offset : offset + n][masks[offset : offset + n] > 0] == d.advantage)
+        offset += n

@@ -1,0 +1,87 @@
+"""The one step driver of SFT, GRPO and session steps: per micro-batch one forward, a loss function, one backward;
+then one optimizer step. What differs between the losses is only their micro-batches and their `LossFn`.
+
+* Micro-batches are padding-free (`data.collate_packed`): documents end to end in one [1, T] row, attention within
+  each document.
+* DP: with the trainer's overlapped all-reduce, every micro-batch but the last runs under `no_sync()`, so the last
+  backward starts each bucket's all-reduce as soon as its grads are final (overlapped with the rest of backward).
+  Megatron issues that all-reduce when every param has reported its grads the same number of times as in the first
+  step, so every step runs exactly one backward with sync on: a rank with no micro-batch (fewer documents than DP
+  ranks) backpropagates a zero through every param instead of running a forward nobody needs.
+* Stats: each loss function returns a fixed-length float64 vector summed over micro-batches and, in one
+  all-reduce, over DP ranks (the loss itself is its first entry).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from scalarlm.training.data import MicroBatch
+from scalarlm.training.losses import token_losses
+
+if TYPE_CHECKING:
+    from scalarlm.training.loop import Trainer
+
+# (index of the micro-batch, the micro-batch on the device, its per-token cross-entropy [1, T]) ->
+# (its share of the step's loss, to backpropagate; a float64 vector of stats to sum over the step).
+LossFn = Callable[[int, MicroBatch, Tensor], tuple[Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step measured: stats summed over micro-batches and DP ranks, LR, grad norm, seconds."""
+
+    sums: Tensor
+    lr: float
+    grad_norm: float
+    seconds: float
+
+
+def overlaps_all_reduce(ddp: torch.nn.Module) -> bool:
+    """True when `ddp` starts its grad all-reduce during backward (DP > 1 with overlap on)."""
+    return bool(getattr(getattr(ddp, "ddp_config", None), "overlap_grad_reduce", False))
+
+
+def _zero_backward(ddp: torch.nn.Module) -> None:
+    """Backpropagate a zero through every trained param (a rank without data still reports its grads, so the
+    overlapped all-reduce of the other ranks' grads runs: no forward pass)."""
+    params = [p for p in ddp.parameters() if p.requires_grad]
+    torch.stack([p.reshape(-1)[0] for p in params]).mul(0.0).sum().backward()
+
+
+def run_step(trainer: "Trainer", micro_batches: Sequence[MicroBatch], loss_fn: LossFn, n_stats: int) -> StepResult:
+    """One optimizer step of `loss_fn` over this rank's `micro_batches` (zero or more); bumps `trainer.step`."""
+    start = time.perf_counter()
+    par, ddp = trainer.par, trainer.ddp
+    ddp.train()
+    trainer.optimizer.zero_grad()
+    sums = torch.zeros(n_stats, dtype=torch.float64, device=par.device)
+    last = len(micro_batches) - 1
+    for i, micro in enumerate(micro_batches):
+        micro = micro.to(par.device)
+        with nullcontext() if i == last else ddp.no_sync():  # the last backward starts the all-reduce
+            loss, stats = loss_fn(i, micro, token_losses(ddp, micro))
+            loss.backward()
+        sums += stats.to(sums.device, torch.float64)
+    if not micro_batches and overlaps_all_reduce(ddp):
+        _zero_backward(ddp)
+    lr, grad_norm = trainer.optimizer_step()
+    if par.dp_size > 1:
+        dist.all_reduce(sums, group=par.dp_group)
+    trainer.step += 1
+    return StepResult(sums, lr, grad_norm, time.perf_counter() - start)
+
+
+def start_accumulated_sync(ddp: torch.nn.Module) -> None:
+    """Start the DP all-reduce of grads accumulated by backwards all run under `no_sync()` (Tinker's
+    forward_backward calls): with overlap the optimizer step only waits for an all-reduce already issued."""
+    if overlaps_all_reduce(ddp):
+        ddp.start_grad_sync()
