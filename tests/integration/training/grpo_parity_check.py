@@ -1,0 +1,151 @@
+"""Run by test_grpo_padding_free.py (one process): padding-free GRPO micro-batches against the padded layout.
+
+On a real megatron model (and a second, perturbed one as the KL reference) and a fixed batch of scored rows of
+different lengths (some with sampling logprobs far enough off-policy to clip, some on-policy, one group with equal
+rewards), computes the GRPO loss (+ KL) and its gradients twice:
+
+* padding-free: the trainer's own `grpo.rl_micro_batches` (documents packed end to end into [1, T] rows, attention
+  within each document) and `rl_step.grpo_loss`, over several micro-batches, gradients accumulated;
+* padded (the reference, written here as the trainer had it): one document per row, padded to a common length with a
+  [B, 1, L, L] mask, advantages / sampling logprobs / weights placed per row, the same objective.
+
+Prints one JSON line: both losses, the largest per-parameter relative gradient difference
+(||g_free - g_padded|| / ||g_padded||), the tokens each layout computed on and how many micro-batches each used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+MAX_LEN = 64
+KL_COEF = 0.05
+CLIP = 0.2
+
+
+def rows(tokenizer) -> list[dict]:
+    """Scored rows of different lengths in three groups; logprobs off-policy by up to +-0.6 nats."""
+    gen = torch.Generator().manual_seed(1)
+    texts = [" yes", " no thanks", " maybe later today, maybe never", " 4", " four, I think, or five",
+             " the answer is 4 and nothing else will do here", " ok", " ok ok"]  # fmt: skip
+    out = []
+    for i, text in enumerate(texts):
+        group = ["2+2=", "What is two plus two? Answer briefly: ", "x"][i % 3]
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        row = {"prompt": group, "completion": text, "completion_token_ids": ids, "reward": float(i % 4)}
+        if i % 4 != 3:  # every fourth row trains on-policy (no sampling logprobs)
+            row["logprobs"] = (-torch.rand(len(ids), generator=gen) * 3).tolist()
+        out.append(row)
+    out.append({"prompt": "same", "completion": " a", "reward": 1.0})
+    out.append({"prompt": "same", "completion": " b c", "reward": 1.0})  # equal rewards: zero advantage
+    return out
+
+
+def load_model(model_dir: Path, noise: float = 0.0):
+    from scalarlm.training import hf_io
+    from scalarlm.training.convert import hf_to_mcore
+    from scalarlm.training.model import build_gpt_model, model_arch
+
+    arch = model_arch(model_dir)
+    model = build_gpt_model(arch, 1, bf16=False)
+    params = dict(model.named_parameters())
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, value in hf_to_mcore(hf_io.load_weights(model_dir), arch, 0, 1).items():
+            params[name].copy_(value + noise * torch.randn(value.shape, generator=gen) * value.std().nan_to_num())
+    return model
+
+
+def padded_micro_batch(docs, weights, pad_id: int):
+    """The padded reference layout: one document per row, per-row advantages, logprobs, weights."""
+    from scalarlm.training.data import Block, collate
+
+    mb = collate([Block(d.doc.tokens, d.doc.targets, (0,)) for d in docs], pad_id)
+    adv, old, has_old, w = (torch.zeros(mb.labels.shape) for _ in range(4))
+    for b, d in enumerate(docs):
+        positions = [p for p in range(1, len(d.doc.tokens)) if d.doc.targets[p]]
+        for j, p in enumerate(positions):
+            adv[b, p - 1], w[b, p - 1] = d.advantage, weights[b]
+            if d.old_logprobs is not None:
+                k = len(d.old_logprobs) - len(positions) + j
+                if 0 <= k < len(d.old_logprobs):
+                    old[b, p - 1], has_old[b, p - 1] = d.old_logprobs[k], 1.0
+    return mb, adv, old, has_old, w
+
+
+def padded_loss(model, ref_model, docs, weights, pad_id: int) -> tuple[torch.Tensor, int]:
+    from scalarlm.training.grpo import grpo_objective
+    from scalarlm.training.losses import token_losses
+
+    mb, adv, old, has_old, w = padded_micro_batch(docs, weights, pad_id)
+    with torch.no_grad():
+        ref = -token_losses(ref_model, mb).float()
+    logp = -token_losses(model, mb).float()
+    loss, _ = grpo_objective(logp, old, has_old, adv, w, mb.loss_mask, CLIP, KL_COEF, ref)
+    return loss, int(mb.tokens.numel())
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def main() -> int:
+    from transformers import AutoTokenizer
+
+    from scalarlm.training.grpo import encode_rl_rows, parse_rl_rows, rl_micro_batches, token_weights
+    from scalarlm.training.launch_env import launch_env_from
+    from scalarlm.training.losses import token_losses
+    from scalarlm.training.parallel import init_parallel, shutdown_parallel
+    from scalarlm.training.rl_step import grpo_loss
+
+    init_parallel(launch_env_from(os.environ), 1, seed=0)
+    try:
+        model_dir = Path(sys.argv[1])
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        model, ref_model = load_model(model_dir), load_model(model_dir, noise=0.05).eval()
+        model.train()
+        result = {}
+        for loss_type in ("grpo", "dr_grpo"):
+            docs, _ = encode_rl_rows(tokenizer, parse_rl_rows(rows(tokenizer)), loss_type, MAX_LEN)
+            weights = token_weights(docs, loss_type)
+            # Padding-free: the trainer's own micro-batches (two blocks each, so several) and loss function.
+            micro = rl_micro_batches(docs, weights, MAX_LEN, 2, pad_id)
+            trainer = SimpleNamespace(args=SimpleNamespace(kl_coef=KL_COEF, clip_eps=CLIP), par=SimpleNamespace(
+                device=torch.device("cpu")), lora=False, ref_model=ref_model, ddp=model)  # fmt: skip
+            loss_fn = grpo_loss(trainer, micro)
+            sums = torch.zeros(4, dtype=torch.float64)  # loss, clipped tokens, tokens, KL sum
+            for i, m in enumerate(micro):
+                loss, stats = loss_fn(i, m.batch, token_losses(model, m.batch))
+                loss.backward()
+                sums += stats
+            free_grads = grads(model)
+            padded, padded_tokens = padded_loss(model, ref_model, docs, weights, pad_id)
+            padded.backward()
+            padded_grads = grads(model)
+            rel = {n: float((free_grads[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in padded_grads.items()}
+            worst = max(rel, key=rel.get)
+            result[loss_type] = {
+                "loss_free": float(sums[0]), "loss_padded": float(padded.detach()),
+                "clipped_tokens": float(sums[1]), "loss_tokens": float(sums[2]), "kl_sum": float(sums[3]),
+                "grad_rel_max": rel[worst], "worst": worst,
+                "grad_norm": float(torch.stack([g.norm() for g in padded_grads.values()]).norm()),
+                "tokens_free": sum(int(m.batch.tokens.numel()) for m in micro), "tokens_padded": padded_tokens,
+                "micro_batches": len(micro), "documents": len(docs), "doc_tokens": sum(len(d.doc.tokens) for d in docs),
+                "lengths": sorted({len(d.doc.tokens) for d in docs}),
+            }  # fmt: skip
+        print("RESULT " + json.dumps(result), flush=True)
+    finally:
+        shutdown_parallel()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
