@@ -18,6 +18,8 @@ NOTIFY_NOTE = (
 )
 NO_NOTIFY_NOTE = "# the trainer announces no steps (no notify URL is known); the catalog's file poll finds them"
 
+# --no-requeue: a job whose node fails ends NODE_FAIL instead of SLURM silently restarting it; the control plane then
+# marks it FAILED with that reason or resumes it from its saved state, as `training.resume` says.
 # Seconds before the time limit at which SLURM sends SIGTERM so the trainer saves its state.
 SIGNAL_LEAD_SECONDS = 120
 
@@ -32,6 +34,7 @@ ${task_lines}
 #SBATCH --open-mode=append
 #SBATCH --chdir=${chdir}
 #SBATCH --export=ALL
+#SBATCH --no-requeue
 # scalarlm job ${job_id}: ${ranks} ranks, tensor_parallel_size=${tp}, data_parallel_size=${dp}
 ${notify_note}
 

@@ -96,3 +96,49 @@ def test_cancelled_slurm_job_is_cancelled(slurm_cluster, slurm_client):
     job_root = Path(body["job_status"]["job_directory"])
     record = read_record(JobDir(job_root))
     assert slurm_cluster.wait_state(record.launcher_id, {"CANCELLED"}, timeout=60) == "CANCELLED"
+
+
+def _node_back(slurm_cluster, node: str) -> None:
+    """Return the downed node to service (SLURM may already have, when its slurmd re-registered)."""
+    state = slurm_cluster.run("sinfo", "-h", "-n", node, "-o", "%T").strip()
+    if "down" in state or "drain" in state or "fail" in state:
+        slurm_cluster.run("scontrol", "update", f"nodename={node}", "state=resume")
+    deadline = time.monotonic() + 60
+    while "idle" not in state and "mix" not in state and "alloc" not in state and time.monotonic() < deadline:
+        time.sleep(0.5)
+        state = slurm_cluster.run("sinfo", "-h", "-n", node, "-o", "%T").strip()
+
+
+def test_a_lost_node_fails_the_job_with_the_reason_and_it_resumes(slurm_cluster, tiny_model_dir: Path, tmp_path: Path,
+                                                                  monkeypatch) -> None:  # fmt: skip
+    """The trainer's host is lost mid-job (its node goes DOWN: SLURM signals and kills the job, NODE_FAIL, and does not
+    requeue it): the job ends FAILED saying why (SLURM's NODE_FAIL, or the trainer's own "terminated by SIGTERM ...
+    state saved" when SLURM's SIGTERM reached it first); once the node is back, resuming it continues from the saved
+    state."""
+    monkeypatch.setenv("SLURM_CONF", str(slurm_cluster.conf))
+    settings = Settings(home=tmp_path / "home", model=str(tiny_model_dir),
+                        training={"launcher": "slurm", "poll_seconds": 0.5, "resume": "none"})  # fmt: skip
+    node = slurm_cluster.run("sinfo", "-h", "-o", "%N").strip()
+    with TestClient(create_app(settings)) as client:
+        job_id = submit(client, {**TRAIN_ARGS, "max_steps": 100000, "steps_per_checkpoint": 5})
+        job = JobDir(Path(client.get(f"/v1/megatron/train/{job_id}").json()["job_status"]["job_directory"]))
+        wait_for(client, job_id, {"RUNNING"}, timeout=300)
+        first = read_record(job).launcher_id
+        deadline = time.monotonic() + 300
+        while not (job.state_dir / "latest.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)  # a saved state to resume from (every 5 steps)
+        try:
+            slurm_cluster.run("scontrol", "update", f"nodename={node}", "state=down", "reason=scalarlm-test-host-lost")
+            assert slurm_cluster.wait_state(first, {"NODE_FAIL"}, timeout=120) == "NODE_FAIL"  # not requeued
+            body = wait_for(client, job_id, {"FAILED", "COMPLETED", "CANCELLED"}, timeout=120)
+            reason = body["job_status"]["reason"]
+            assert body["job_status"]["status"] == "FAILED", body
+            assert f"SLURM job {first} ended NODE_FAIL" in reason or "terminated by SIGTERM at step" in reason, reason
+        finally:
+            _node_back(slurm_cluster, node)
+        assert client.post(f"/v1/megatron/resume/{job_id}").status_code == 200
+        wait_for(client, job_id, {"RUNNING"}, timeout=300)
+        assert read_record(job).launcher_id != first and job.read_status().resumes == 1
+        assert "resuming from the state saved at step" in client.get(f"/v1/megatron/train/{job_id}/logs").text
+        client.post(f"/v1/megatron/cancel/{job_id}")
+        wait_for(client, job_id, {"CANCELLED", "FAILED", "COMPLETED"}, timeout=120)
