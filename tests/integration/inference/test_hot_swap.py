@@ -215,7 +215,7 @@ async def test_openai_request_loads_a_model_no_get_work_has_named(
 
 
 async def test_listed_model_that_cannot_be_loaded_answers_why_and_the_base_still_serves(
-    vllm_engine: Any, inference_settings: Any, tiny_model_dir: Path, tmp_path: Path
+    vllm_engine: Any, inference_settings: Any, tiny_model_dir: Path, tmp_path: Path, family_models: dict[str, Path]
 ) -> None:
     from scalarlm.inference.openai_backend import VllmOpenAIBackend
     from scalarlm.inference.versions import ModelVersions
@@ -233,11 +233,16 @@ async def test_listed_model_that_cannot_be_loaded_answers_why_and_the_base_still
                                                               path=str(broken)), PROMPTS[0])  # fmt: skip
         lora = await _openai_completion(backend, ModelVersion(name="job-gone", version=1, kind="lora",
                                                               path=str(missing)), PROMPTS[0])  # fmt: skip
+        # A mixture-of-experts checkpoint: refused before vLLM 0.32.0 on CPU would try (and kill its EngineCore).
+        moe = family_models["qwen3-moe"]
+        experts = await _openai_completion(backend, ModelVersion(name="job-moe", version=1, kind="full",
+                                                                 path=str(moe)), PROMPTS[0])  # fmt: skip
         after = await _openai_completion(backend, base, PROMPTS[0])
     finally:
         await _restore_base(backend.weights, inference_settings)
 
-    for reply, name, path in ((full, "job-broken", broken), (lora, "job-gone", missing)):
+    assert "mixture-of-experts" in experts.body["error"]["message"]
+    for reply, name, path in ((full, "job-broken", broken), (lora, "job-gone", missing), (experts, "job-moe", moe)):
         assert reply.status_code == 500, reply.body
         error = reply.body["error"]
         assert error["type"] == "model_load_error" and error["param"] == "model"

@@ -85,8 +85,9 @@ def test_sft_job_is_served_like_transformers(family_server: tuple[str, str, Path
         # Measured 2026-12: the job trains and publishes (per-expert hub layout; a fresh vLLM engine on it serves
         # transformers' greedy tokens), but vLLM 0.32 CPU's `reload_weights` does not reload fused MoE experts
         # ("RoutedExperts: Failed to load weights", w13_weight / w2_weight not loaded; the EngineCore then dies and
-        # the batch waits forever). Not run until the hot swap handles MoE.
-        pytest.xfail("vLLM 0.32 CPU reload_weights does not reload fused MoE experts (hot swap of a MoE model)")
+        # the batch waited forever). The worker now refuses that swap on CPU with a model_load_error before trying
+        # (tests/integration/inference/test_hot_swap.py). Not run until the hot swap handles MoE.
+        pytest.xfail("vLLM 0.32.0 CPU reload_weights does not reload fused MoE experts (hot swap of a MoE model)")
     if family in MOE and adapter_type == "lora":
         from scalarlm.protocol.errors import InvalidRequest
 
