@@ -7,6 +7,8 @@
 * Normalisation is a per-token weight: ``grpo`` averages tokens within a sequence and then sequences
   (``1 / (len_i * N)``); ``dr_grpo`` divides by a constant (``1 / (max_len * N)``, TRL's ``loss_type="dr_grpo"``).
   The weights of the whole (global) batch sum the step's loss; micro-batches and DP ranks just add up.
+* Micro-batches are padding-free, packed as SFT's (`rl_micro_batches`); these per-token inputs ride along per document,
+  so packing changes no term of the sum (the padded layout gives the same loss and gradients).
 """
 
 from __future__ import annotations
