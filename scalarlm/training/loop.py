@@ -84,9 +84,10 @@ class Trainer:
         # The KL reference of full-weight training is a frozen copy of the base (LoRA: adapters disabled).
         self.ref_model = None
         if not self.lora and args.loss != "sft" and args.kl_coef > 0:
+            # Frozen by running only under no_grad (rl_step._reference_logp), never by requires_grad=False: megatron's
+            # frozen-weight linear rounds differently at TP=2 (2.4e-6 in a packed row's logprob, measured), which
+            # turns step 1's zero KL gradient into noise that Adam's first step spreads over every near-zero grad.
             self.ref_model = self._build_model(trained=False).eval()
-            for p in self.ref_model.parameters():
-                p.requires_grad_(False)
         # Overlapped grad all-reduce (DP > 1) for every loss: the step driver (step.py) runs all but each step's last
         # micro-batch under no_sync(), and Tinker's forward_backward all of them (its optim_step starts the sync).
         self.ddp = wrap_data_parallel(self.model if not self.bf16 else self._half(self.model), par, overlap=True)
