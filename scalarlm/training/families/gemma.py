@@ -30,12 +30,22 @@ def _rope(params: dict[str, Any] | None, where: str, default_theta: float) -> tu
     return theta, float(params["factor"]) if rope_type == "linear" else None
 
 
+def _gemma_common(config: dict[str, Any]) -> dict[str, Any]:
+    """What Gemma 2 and 3 share: causal attention only, (1 + w) norms, sqrt(hidden) embedding scale, attention scale."""
+    if config.get("use_bidirectional_attention"):
+        raise InvalidRequest("use_bidirectional_attention=true is not supported", param="model")
+    return {
+        "norm_offset": True,
+        "embedding_multiplier": int(config["hidden_size"]) ** 0.5,
+        "softmax_scale": float(config.get("query_pre_attn_scalar") or config.get("head_dim") or 256) ** -0.5,
+    }
+
+
 def _extra(config: dict[str, Any]) -> dict[str, Any]:
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if config.get(name) is not None:
             raise InvalidRequest(f"{name}={config[name]} (soft-capping) is not supported", param="model")
-    if config.get("use_bidirectional_attention"):
-        raise InvalidRequest("use_bidirectional_attention=true is not supported", param="model")
+    common = _gemma_common(config)
     params = config.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:  # transformers 5: per layer type
         full, full_where = params.get("full_attention"), "rope_parameters.full_attention"
@@ -47,21 +57,12 @@ def _extra(config: dict[str, Any]) -> dict[str, Any]:
     local_theta, local_factor = _rope(local, local_where, 10_000.0)
     if local_factor is not None:
         raise InvalidRequest(f"{local_where}: RoPE scaling on the sliding layers is not supported", param="model")
-    hidden = int(config["hidden_size"])
-    return {
-        "rope_theta": theta,
-        "rope_linear_factor": factor,
-        "local_rope_theta": local_theta,
-        "norm_offset": True,
-        "embedding_multiplier": hidden**0.5,
-        "softmax_scale": float(config.get("query_pre_attn_scalar") or config.get("head_dim") or 256) ** -0.5,
-    }
+    return {"rope_theta": theta, "rope_linear_factor": factor, "local_rope_theta": local_theta, **common}
 
 
 def _gemma2_extra(config: dict[str, Any]) -> dict[str, Any]:
     """Gemma 2: Gemma's norms, embedding scale and attention scalar; soft-capping; one plain RoPE base."""
-    if config.get("use_bidirectional_attention"):
-        raise InvalidRequest("use_bidirectional_attention=true is not supported", param="model")
+    common = _gemma_common(config)
     params = config.get("rope_parameters") or {**(config.get("rope_scaling") or {}), "rope_theta": config.get("rope_theta")}
     theta, factor = _rope(params, "rope_parameters", 10_000.0)
     if factor is not None:
@@ -73,21 +74,12 @@ def _gemma2_extra(config: dict[str, Any]) -> dict[str, Any]:
         if value is not None and not float(value) > 0:
             raise InvalidRequest(f"{name}={value}: a soft cap must be positive (or null for none)", param="model")
         caps[field] = float(value) if value is not None else None
-    return {
-        "rope_theta": theta,
-        "norm_offset": True,
-        "embedding_multiplier": int(config["hidden_size"]) ** 0.5,
-        "softmax_scale": float(config.get("query_pre_attn_scalar") or config.get("head_dim") or 256) ** -0.5,
-        **caps,
-    }
+    return {"rope_theta": theta, **common, **caps}
 
 
 def _gemma2_windows(config: dict[str, Any], layers: int) -> tuple[int | None, ...]:
     """Gemma 2's `layer_types` (sliding, global, sliding, ... when absent, as transformers derives it)."""
-    if config.get("layer_types") is None and config.get("sliding_window") is not None:
-        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
-        config = {**config, "layer_types": types}
-    return layer_type_windows(config, layers, True)
+    return _windows({**config, "sliding_window_pattern": 2}, layers)
 
 
 def _windows(config: dict[str, Any], layers: int) -> tuple[int | None, ...]:
