@@ -66,6 +66,7 @@ def create_app(settings: Settings, worker: EmbeddedWorker | None = None) -> Fast
                                   state.worker_key)
     app.state.usage = KeyUsage.open(settings.home / "usage.sqlite")  # per-key counts survive a restart
     app.state.drain = Drain()
+    state.metrics.live.http_in_flight = lambda: app.state.drain.in_flight  # a drain waits for these
     install_error_handlers(app)
     routers = (generate.router, openai.router, training.router, training.alias_router, sessions.router, catalog.router,
                operator.router)

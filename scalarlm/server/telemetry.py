@@ -28,8 +28,12 @@ class _LiveCollector(Collector):
         self.queue: RequestQueue | None = None
         self.load: Callable[[], EngineLoad] | None = None
         self.workers: Mapping[str, WorkerSeen] = {}
+        self.http_in_flight: Callable[[], int] | None = None
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        if self.http_in_flight is not None:
+            yield GaugeMetricFamily("scalarlm_http_requests_in_flight", "HTTP requests being answered (this scrape "
+                                    "included)", value=self.http_in_flight())  # fmt: skip
         if self.queue is not None:
             depth = GaugeMetricFamily("scalarlm_queue_items", "Batch items in the queue by state", labels=["state"])
             for state, count in self.queue.counts().model_dump().items():

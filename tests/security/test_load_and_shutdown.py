@@ -159,6 +159,13 @@ async def test_burst_of_streams_and_a_big_batch(engine_server, tiny_model_dir: P
     assert sampler.peak - rss_before < 1 << 30, FIGURES
 
 
+def _in_flight(url: str) -> float:
+    """The server's count of HTTP requests being answered, from its Prometheus text."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return next(float(line.split()[1]) for line in text.splitlines()
+                if line.startswith("scalarlm_http_requests_in_flight "))
+
+
 def test_sigterm_drains_then_sigkill_and_restart_lose_nothing(engine_server, home: Path, tiny_model_dir: Path) -> None:
     url, proc = engine_server
     total = 3000
@@ -168,9 +175,14 @@ def test_sigterm_drains_then_sigkill_and_restart_lose_nothing(engine_server, hom
     ids = [r["request_id"] for r in batch.json()["results"]]
     # A long-poll in flight keeps the server draining for a while.
     holder = threading.Thread(target=lambda: httpx.post(
-        f"{url}/v1/generate/get_results", json={"request_ids": ids, "wait_seconds": 5}, timeout=60))
+        f"{url}/v1/generate/get_results", json={"request_ids": ids, "wait_seconds": 10}, timeout=60))
     holder.start()
-    time.sleep(0.5)
+    # SIGTERM only once the long-poll is being answered (on a busy box it can take a while to be read): with
+    # nothing in flight the drain ends at the next tick, before any request could see its 503.
+    deadline = time.monotonic() + 60
+    while _in_flight(url) < 2 and time.monotonic() < deadline:  # the scrape itself is one
+        time.sleep(0.05)
+    assert _in_flight(url) >= 2, "the long-poll never reached the server"
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     refused = None

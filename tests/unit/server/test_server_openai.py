@@ -141,4 +141,5 @@ async def test_prometheus_text(client: httpx.AsyncClient, work) -> None:
     assert 'scalarlm_queue_items{state="completed"} 1.0' in text
     assert "scalarlm_tokens_per_second" in text and "scalarlm_requests_per_second" in text
     assert 'scalarlm_http_requests_total{method="POST",route="/v1/generate",status="400"} 1.0' in text
+    assert "scalarlm_http_requests_in_flight 1.0" in text  # the scrape itself
     assert 'route="/v1/generate/get_work",status="200"' in text
