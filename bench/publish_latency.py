@@ -6,7 +6,10 @@ adds nothing beyond its bytes and one answer scores 1.0.
 One process: a ~40M-param model, the real SQLite queue whose catalog reads the job's published
 checkpoints (the file-poll path), and the worker's pull loop on an in-process vLLM engine. Each round
 perturbs the weights (standing in for a step), publishes them with `checkpoint.publish_step`, then sends
-one request for the job until a result carries the new version. Full weights and LoRA are reported apart.
+one request for the job until a result carries the new version. Full weights and LoRA are reported apart, and
+full weights again as the trainer publishes them on the serving host: staged in /dev/shm, served from there, the
+durable copy landing in the background (`checkpoint.staging`); `publish_blocks_step_seconds_*` is how long the
+"trainer" waited before it could take its next step.
 """
 
 from __future__ import annotations
@@ -44,21 +47,24 @@ def floor_seconds(tensors: dict[str, Any], folder: Path) -> float:
 
 
 def _catalog(job: Any, kind: str, base: Any) -> Callable[[], list[Any]]:
-    """The control plane's view of the job: its newest published step (read from disk on every call)."""
-    from scalarlm.checkpoint.publish import latest_step
+    """The control plane's view of the job: its newest servable step, staged or durable (read on every call)."""
+    from scalarlm.checkpoint.staging import servable_step
     from scalarlm.protocol.generate import ModelVersion
 
     def models() -> list[Any]:
-        step = latest_step(job)
-        if step is None:
+        newest = servable_step(job)
+        if newest is None:
             return [base]
-        return [base, ModelVersion(name=job.job_id, version=step, kind=kind, path=str(job.step_dir(step)))]
+        step, path = newest
+        return [base, ModelVersion(name=job.job_id, version=step, kind=kind, path=str(path))]
 
     return models
 
 
-async def measure(kind: str, model: Any, engine: Any, settings: Any, home: Path, rounds: int) -> dict[str, float]:
-    """Median publish->serve seconds over `rounds` publishes of `model` (HF or PEFT), and its floor."""
+async def measure(kind: str, model: Any, engine: Any, settings: Any, home: Path, rounds: int,
+                  staging: Path | None = None) -> dict[str, float]:
+    """Median publish->serve seconds over `rounds` publishes of `model` (HF or PEFT), and its floor; with `staging`
+    full weights are staged there and land in the background, as a trainer on the serving host does."""
     import torch
 
     from scalarlm.checkpoint.jobdir import JobDir
@@ -69,10 +75,15 @@ async def measure(kind: str, model: Any, engine: Any, settings: Any, home: Path,
     from scalarlm.queue.service import QueueService
     from scalarlm.queue.store import RequestQueue
 
-    job = JobDir.under(home / "jobs", f"bench-{kind}")
+    from scalarlm.checkpoint.staging import StagedPublisher
+
+    label = kind + ("-staged" if staging is not None else "")
+    job = JobDir.under(home / "jobs", f"bench-{label}")
+    publisher = StagedPublisher(job, staging, lambda step: None) if staging is not None else None
+    publish = publisher.publish if publisher is not None else publish_step
     base = ModelVersion(name=settings.base_model_name, version=0, kind="base", path=settings.model)
-    service = QueueService(RequestQueue(home / f"{kind}.sqlite", 300.0), models=_catalog(job, kind, base))
-    loop = PullLoop(engine, service, settings, worker_id=f"bench-{kind}")
+    service = QueueService(RequestQueue(home / f"{label}.sqlite", 300.0), models=_catalog(job, kind, base))
+    loop = PullLoop(engine, service, settings, worker_id=f"bench-{label}")
     loop.start()
     params = [p for n, p in model.named_parameters() if kind == "full" or "lora_" in n]
     latencies, writes = [], []
@@ -83,7 +94,7 @@ async def measure(kind: str, model: Any, engine: Any, settings: Any, home: Path,
                     p.add_(0.01 * torch.randn_like(p))
             manifest = CheckpointManifest(job_id=job.job_id, step=step, base_model=settings.model, kind=kind)
             start = time.perf_counter()
-            publish_step(job, manifest, lambda d: model.save_pretrained(d))
+            publish(job, manifest, lambda d: model.save_pretrained(d))
             written = time.perf_counter()
             while True:
                 batch = await service.enqueue([{"prompt": "Hello", "sampling": {"max_tokens": 1}}], model=job.job_id)
@@ -96,6 +107,8 @@ async def measure(kind: str, model: Any, engine: Any, settings: Any, home: Path,
             writes.append(written - start)
         answer = await _request_seconds(service, job.job_id, rounds)
     finally:
+        if publisher is not None:
+            publisher.wait()
         await loop.stop()
         service.close()
     state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
@@ -107,10 +120,10 @@ async def measure(kind: str, model: Any, engine: Any, settings: Any, home: Path,
     floor = io + answer
     latency = statistics.median(latencies)
     megabytes = sum(t.numel() * t.element_size() for t in state.values()) / 1e6
-    print(f"{kind}: {megabytes:.1f} MB, publish->serve {latency:.3f}s (write {statistics.median(writes):.3f}s), "
+    print(f"{label}: {megabytes:.1f} MB, publish->serve {latency:.3f}s (write {statistics.median(writes):.3f}s), "
           f"floor {floor:.3f}s (write+read {io:.3f}s + one answer {answer:.3f}s), ratio {latency / floor:.2f}; "
           f"swaps {engine.load.swaps}")
-    return {"latency": latency, "floor": floor}
+    return {"latency": latency, "floor": floor, "blocks": statistics.median(writes)}
 
 
 async def _request_seconds(service: Any, model: str, rounds: int) -> float:
@@ -151,6 +164,9 @@ async def run(rounds: int) -> dict[str, float]:
             params = sum(p.numel() for p in full_model.parameters())
             print(f"model: {params / 1e6:.1f}M params")
             full = await measure("full", full_model, engine, settings, home, rounds)
+            shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else home
+            with tempfile.TemporaryDirectory(dir=shm, prefix="bench-staging-") as staging:
+                staged = await measure("full", full_model, engine, settings, home, rounds, Path(staging))
             del full_model
             lora_base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
             lora_model = get_peft_model(lora_base, LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS))
@@ -160,7 +176,11 @@ async def run(rounds: int) -> dict[str, float]:
     return {
         "publish_to_serve_vs_floor_full": round(full["latency"] / full["floor"], 3),
         "publish_to_serve_vs_floor_lora": round(lora["latency"] / lora["floor"], 3),
+        "publish_to_serve_vs_floor_full_staged": round(staged["latency"] / staged["floor"], 3),
         "publish_to_serve_seconds_full": round(full["latency"], 4),
+        "publish_to_serve_seconds_full_staged": round(staged["latency"], 4),
+        "publish_blocks_step_seconds_full": round(full["blocks"], 4),
+        "publish_blocks_step_seconds_full_staged": round(staged["blocks"], 4),
         "publish_to_serve_seconds_lora": round(lora["latency"], 4),
     }
 

@@ -124,6 +124,11 @@ class TrainingSettings(BaseModel):
     # times each; "none" reports both FAILED (POST /v1/megatron/resume/<job_id> continues one by hand).
     resume: Literal["none", "interrupted", "all"] = "interrupted"
     max_resumes: int = Field(3, ge=0)
+    # Full-weight publish on an embedded node with the local launcher (trainer and engine on one host): the trainer
+    # stages each step in this memory-backed directory, the engine serves it from there, and the durable copy in
+    # the job directory lands in the background while training goes on (checkpoint/staging.py). "": always wait
+    # for the durable write. Skipped where the directory does not exist.
+    staging_dir: str = "/dev/shm"
 
 
 def default_hf_cache() -> Path:

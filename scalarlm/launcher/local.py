@@ -12,8 +12,10 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from scalarlm.checkpoint import JobDir
+from scalarlm.checkpoint.staging import STAGING_ENV, staging_root
 from scalarlm.config import Settings
 from scalarlm.launcher.base import (
     NOTIFY_ENV,
@@ -83,7 +85,15 @@ class LocalLauncher:
             cmd += ["-x", var]
         if notify_url(self.settings) is not None:
             cmd += ["-x", NOTIFY_ENV, "-x", NOTIFY_KEY_ENV]  # names only: the key stays out of argv and the record
+        if self._staging() is not None:
+            cmd += ["-x", STAGING_ENV]
         return cmd + trainer
+
+    def _staging(self) -> Path | None:
+        """Where the trainer stages full weights: only where the engine on this host reads them (embedded node)."""
+        if self.settings.server.role != "embedded":
+            return None
+        return staging_root(self.settings.training.staging_dir, self.settings.home)
 
     def _environment(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -92,8 +102,11 @@ class LocalLauncher:
         env["MASTER_PORT"] = str(free_port())
         env["PYTHONUNBUFFERED"] = "1"
         env["HF_HUB_OFFLINE"] = "1"  # the trainer gets a resolved local directory: a hub call would be a bug, not a wait
-        for name in (NOTIFY_ENV, NOTIFY_KEY_ENV):  # never inherited from this process
+        for name in (NOTIFY_ENV, NOTIFY_KEY_ENV, STAGING_ENV):  # never inherited from this process
             env.pop(name, None)
+        staging = self._staging()
+        if staging is not None:
+            env[STAGING_ENV] = str(staging)
         url = notify_url(self.settings)
         if url is not None:
             env[NOTIFY_ENV] = url  # the trainer announces each published step there (best effort)

@@ -52,7 +52,8 @@ def create_app(settings: Settings, worker: EmbeddedWorker | None = None) -> Fast
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with _running(state, worker), app.state.training.supervising(), state.catalog.polling():
+        async with (state.catalog.staging_cleared(), _running(state, worker), app.state.training.supervising(),
+                    state.catalog.polling()):
             yield
 
     app = FastAPI(title="scalarlm", version="0.1.0", lifespan=lifespan)

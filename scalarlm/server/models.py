@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import logging
 import threading
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from scalarlm.server.periodic import every
-from scalarlm.checkpoint import JobDir, latest_step, read_manifest
+from scalarlm.checkpoint import JobDir
+from scalarlm.checkpoint.staging import STAGED_FILE, prune_staged, servable_step, staging_root
 from scalarlm.config import Settings
 from scalarlm.protocol.errors import NotFound
 from scalarlm.protocol.generate import ModelVersion
-from scalarlm.protocol.training import NAME_PATTERN
+from scalarlm.protocol.training import NAME_PATTERN, CheckpointManifest
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,14 @@ def _servable(model: TrainedModel) -> ModelVersion:
     return ModelVersion(name=model.name, version=model.version, kind=model.kind, path=model.path)  # type: ignore[arg-type]
 
 
+def _stamp(path: Path) -> tuple[int, int]:
+    try:
+        st = path.stat()
+    except OSError:
+        return (0, 0)
+    return (st.st_mtime_ns, st.st_size)
+
+
 class ModelCatalog:
     """The base model (by its served name or its path) and every job with a published step."""
 
@@ -56,9 +66,12 @@ class ModelCatalog:
         self._aliases = aliases
         self.jobs_dir = settings.jobs_dir
         self.poll_seconds = settings.training.poll_seconds
+        # Where this server's trainers stage full weights (checkpoint/staging.py); the poll removes landed copies.
+        self.staging = staging_root(settings.training.staging_dir, settings.home)
         self._trained: dict[str, TrainedModel] = {}
-        # (st_mtime_ns, st_size) of each job's `checkpoints/latest` when last read: the poll re-reads only changes.
-        self._seen: dict[str, tuple[int, int]] = {}
+        # (st_mtime_ns, st_size) of each job's `checkpoints/latest` and `checkpoints/staged` when last read: the
+        # poll re-reads only changes.
+        self._seen: dict[str, tuple[tuple[int, int], ...]] = {}
         self._lock = threading.Lock()  # the poll runs in a thread; routes read from the event loop
 
     # ---- names ------------------------------------------------------------------------------------
@@ -124,12 +137,9 @@ class ModelCatalog:
     def refresh_job(self, job_id: str) -> TrainedModel | None:
         """Re-read one job's newest published step (no-op when `checkpoints/latest` is unchanged)."""
         job = JobDir(self.jobs_dir / job_id)
-        pointer = job.checkpoints_dir / "latest"
-        try:
-            st = pointer.stat()
-        except OSError:
+        stamp = tuple(_stamp(job.checkpoints_dir / name) for name in ("latest", STAGED_FILE))
+        if stamp == ((0, 0), (0, 0)):
             return None
-        stamp = (st.st_mtime_ns, st.st_size)
         with self._lock:
             if self._seen.get(job_id) == stamp and job_id in self._trained:
                 return self._trained[job_id]
@@ -151,17 +161,18 @@ class ModelCatalog:
         return model
 
     def _read(self, job: JobDir) -> TrainedModel | None:
-        step = latest_step(job)
-        if step is None:
+        servable = servable_step(job)  # a staged full-weight step before its durable copy lands
+        if servable is None:
             return None
-        manifest = read_manifest(job, step)
+        step, path = servable
+        manifest = CheckpointManifest.model_validate_json((path / "manifest.json").read_text())
         created = job.config_path.stat().st_mtime if job.config_path.exists() else manifest.created
         try:
             created = job.read_config().created or created
         except (OSError, ValueError):
             pass
         return TrainedModel(
-            name=job.job_id, version=step, kind=manifest.kind, path=str(job.step_dir(step)),
+            name=job.job_id, version=step, kind=manifest.kind, path=str(path),
             created=created, loss=manifest.loss,
         )  # fmt: skip
 
@@ -170,11 +181,24 @@ class ModelCatalog:
         roots = [p.name for p in self.jobs_dir.iterdir() if p.is_dir()] if self.jobs_dir.exists() else []
         for job_id in roots:
             self.refresh_job(job_id)
+            if self.staging is not None:
+                prune_staged(JobDir(self.jobs_dir / job_id), self.staging)
         present = set(roots)
         with self._lock:
             for gone in [name for name in self._trained if name not in present]:
                 del self._trained[gone]
                 self._seen.pop(gone, None)
+
+    @asynccontextmanager
+    async def staging_cleared(self) -> AsyncIterator[None]:
+        """On exit (after the engine and the trainers stopped), remove every staged copy whose durable copy landed."""
+        try:
+            yield
+        finally:
+            if self.staging is not None and self.jobs_dir.exists():
+                for root in self.jobs_dir.iterdir():
+                    if root.is_dir():
+                        prune_staged(JobDir(root), self.staging, now=float("inf"))
 
     def polling(self) -> AbstractAsyncContextManager[None]:
         """Refresh now and then every `training.poll_seconds` (the fallback when a notice is lost)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,15 +75,17 @@ def publish_checkpoint(
     base_config: dict[str, Any],
     manifest: CheckpointManifest,
     dtype: str = "source",
+    publish: Callable[[JobDir, CheckpointManifest, Callable[[Path], None]], Path] = publish_step,
 ) -> Path | None:
     """Collectively publish `checkpoints/step-<N>/` in HF format (the base's tensor names, in `dtype`: "source"
-    keeps each tensor's base dtype); rank 0 writes it and returns its path."""
+    keeps each tensor's base dtype); rank 0 writes it with `publish` (`publish_step`, or a staging publisher's) and
+    returns its path."""
     shards = gather_tp_shards(model, arch, par)
     path = None
     if par.is_main and shards is not None:
         state = keep_source_names(mcore_to_hf(shards, arch), base_model, arch.tied_embeddings)
         dtypes = publish_dtypes(base_model, dtype)
-        path = publish_step(job, manifest, lambda d: hf_io.write_checkpoint(d, state, base_model, base_config, dtypes))
+        path = publish(job, manifest, lambda d: hf_io.write_checkpoint(d, state, base_model, base_config, dtypes))
         logger.info("published %s", path)
     dist.barrier()
     return path

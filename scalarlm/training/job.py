@@ -144,6 +144,8 @@ def run_job(job_dir: Path, environ: Mapping[str, str]) -> int:
         outcome = loop(trainer, stop_requested, on_step)
     except Exception as e:  # the entry point turns any failure into FAILED with its reason
         logger.exception("training failed")
+        if trainer is not None:
+            _land_what_was_staged(trainer)
         step = trainer.step if trainer is not None else None
         return _fail(job, f"rank {env.rank}: {type(e).__name__}: {e}", step)
     finally:
@@ -154,6 +156,14 @@ def run_job(job_dir: Path, environ: Mapping[str, str]) -> int:
     if main:
         _record_outcome(job, outcome, trainer.step, stop, clock)
     return 0
+
+
+def _land_what_was_staged(trainer: Any) -> None:
+    """After a failure, still write the durable copy of a step already staged (and served)."""
+    try:
+        trainer.finish_publishing()
+    except Exception:  # the job's failure is the one to report
+        logger.exception("the staged checkpoint could not be landed")
 
 
 class TimeLimit:

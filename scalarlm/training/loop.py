@@ -15,6 +15,7 @@ version never moves back.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from scalarlm.checkpoint import JobDir, latest_step, publish_step
+from scalarlm.checkpoint.staging import STAGING_ENV, StagedPublisher
 from scalarlm.protocol.training import CheckpointManifest, TrainArgs, TrainJobConfig
 from scalarlm.training import hf_io
 from scalarlm.training.convert import mark_tensor_parallel
@@ -96,6 +98,12 @@ class Trainer:
         self.tokens_seen = 0
         # The newest step this job already published (an earlier run of it, before a stop or crash).
         self.published = latest_step(job) or 0
+        # Full weights on the serving host: rank 0 stages each step in memory and lands the durable copy while the
+        # next step trains (checkpoint/staging.py); announced twice, staged and landed.
+        staging = os.environ.get(STAGING_ENV)
+        self.publisher = None
+        if staging and par.is_main and not self.lora:
+            self.publisher = StagedPublisher(job, Path(staging), lambda step: notify_published(config.job_id, step))
 
     def _build_model(self, trained: bool = True) -> torch.nn.Module:
         """The GPTModel shard of this TP rank, loaded from the base HF checkpoint (`trained`: False for the frozen
@@ -135,6 +143,7 @@ class Trainer:
 
     def save(self) -> None:
         """Collectively save resume state after `self.step` completed steps."""
+        self.finish_publishing()  # a saved state's step has its durable checkpoint
         data = self.stream or self.groups
         extra = {"data": data.state_dict() if data else {}, "tokens_seen": self.tokens_seen}
         save_state(self.job.state_dir, self.step, self.par, self.model, self.optimizer, extra)
@@ -152,10 +161,17 @@ class Trainer:
         if self.lora:
             self._publish_adapter(manifest)
         else:
+            publish = self.publisher.publish if self.publisher is not None else publish_step
             publish_checkpoint(self.job, self.model, self.arch, self.par, self.base, self.base_config, manifest,
-                               self.args.publish_dtype)
+                               self.args.publish_dtype, publish)
+        self.published = self.step
         if self.par.is_main:
             notify_published(self.config.job_id, self.step)
+
+    def finish_publishing(self) -> None:
+        """Wait for the durable copy of the newest staged step (rank 0; a no-op without staging); raise its error."""
+        if self.publisher is not None:
+            self.publisher.wait()
 
     def _publish_adapter(self, manifest: CheckpointManifest) -> None:
         """Rank 0 writes the adapter (every rank holds the full, identical A/B) with the tokenizer files."""

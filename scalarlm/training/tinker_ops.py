@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from scalarlm.checkpoint.jobdir import atomic_write_text
+from scalarlm.checkpoint.staging import servable_step
 from scalarlm.checkpoint.tinker import MANIFEST, TinkerRunDir
 from scalarlm.protocol.errors import Conflict, InvalidRequest, NotFound
 from scalarlm.training import lora
@@ -174,8 +175,8 @@ def partial_lora_sum(trainer: "Trainer") -> Callable[[], None] | None:
 
 def save_weights_for_sampler(trainer: "Trainer") -> dict[str, Any]:
     """Publish the current weights as `checkpoints/step-<step>` (once per step) and return that version."""
-    published = trainer.job.checkpoints_dir / f"step-{trainer.step}"
-    if not published.exists():
+    newest = servable_step(trainer.job)  # staged or durable
+    if newest is None or newest[0] != trainer.step:
         trainer.publish(None)
     return {"loss": None, "metrics": {}, "version": trainer.step}
 

@@ -10,6 +10,7 @@ a session's new step is served to the next request while requests for the previo
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -192,3 +193,43 @@ def test_a_session_step_published_during_requests_is_served_to_the_next_request(
     assert {v for v, _ in seen} <= {first, second} and first in {v for v, _ in seen}
     for version, value in seen:  # each response was produced by the weights its version names
         assert value == pytest.approx(logprob[version], abs=1e-4), version
+
+
+def _file_bytes(folder: Path) -> dict[str, bytes]:
+    return {f.name: f.read_bytes() for f in folder.iterdir() if f.is_file() and f.name != "manifest.json"}
+
+
+def test_full_weights_are_served_from_the_staged_copy_and_the_same_files_land_durably(
+    llm: scalarlm.ScalarLM, oai: OpenAI, tiny_model_dir: Path, loop_server_home: tuple[str, Path]
+) -> None:
+    """The step's answer comes once the weights are staged in memory, not once they are durable; what is served is
+    the checkpoint that then lands (the same bytes); a landed staged copy is removed once a newer step is staged."""
+    home = loop_server_home[1]
+    prompt = PROMPTS[1]
+    rows = [{"prompt": prompt, "completion": c, "reward": r}
+            for c, r in ((" honey", 1.0), (" blue", 0.0), (" Paris", 0.0), (" honey", 1.0))]  # fmt: skip
+    staged: dict[int, dict[str, bytes]] = {}
+    served: dict[int, float] = {}
+    with llm.rl_session(train_args={"loss": "grpo", "learning_rate": 1e-2, "max_seq_len": 64,
+                                    "dtype": "float32"}) as session:  # fmt: skip
+        pointer = home / "jobs" / session.model_name / "checkpoints" / "staged"
+        for _ in range(2):
+            version = session.step(rows)
+            name, path = pointer.read_text().split()
+            assert name == f"step-{version}" and Path(path).parent.parent.name.startswith("scalarlm-staging-")
+            staged[version] = _file_bytes(Path(path))  # read now: it is removed once landed and superseded
+            reply = oai.completions.create(model=session.model_name, prompt=prompt, max_tokens=1, temperature=0,
+                                           logprobs=1)  # fmt: skip
+            assert reply.model_extra["scalarlm_version"] == version
+            served[version] = reply.choices[0].logprobs.token_logprobs[0]
+        first, second = sorted(staged)
+        deadline = time.monotonic() + 60  # the poll removes step 1's copy: landed, and step 2 is staged
+        while (Path(path).parent / f"step-{first}").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not (Path(path).parent / f"step-{first}").exists()
+    for version in (first, second):  # the session's end waited for the durable copies
+        durable = step_dir(home, session.model_name, version)
+        assert _file_bytes(durable) == staged[version]
+        reference = Reference(tiny_model_dir, durable).first_logprob(prompt)
+        assert served[version] == pytest.approx(reference, abs=1e-4), version
+    assert served[first] != pytest.approx(served[second], abs=1e-3)

@@ -1,0 +1,158 @@
+"""Full-weight publish that does not wait for the durable write: stage in memory, serve it, then land it.
+
+When the trainer and the engine share a host, the trainer writes step N into `<staging root>/<job id>/step-N/`
+(memory-backed: `training.staging_dir`, /dev/shm by default), points `checkpoints/staged` at it and announces it;
+the catalog serves a complete staged step that is newer than the durable `latest`. A background thread then lands
+the same files as `checkpoints/step-N/` with `publish_step` (temp dir, fsync, rename, `latest`) while training goes
+on, and announces again, so the catalog moves to the durable copy: that is what a restart or another host reads.
+A kill during the landing leaves the previous durable step and a `step-N.tmp/` the next publish replaces, never a
+torn `step-N/`. The control plane removes staged copies once their durable copy has landed (`prune_staged`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from scalarlm.checkpoint.jobdir import JobDir, atomic_write_text
+from scalarlm.checkpoint.publish import latest_step, publish_step
+from scalarlm.protocol.training import CheckpointManifest
+
+logger = logging.getLogger(__name__)
+
+STAGING_ENV = "SCALARLM_STAGING_DIR"  # the launcher tells a trainer on the serving host where to stage
+STAGED_FILE = "staged"  # in `checkpoints/`: "step-<N> <absolute staged path>"
+# A staged copy whose durable copy landed is removed once a newer step is staged or after this long (a worker
+# that began reading it before the landing has that long to finish; files it has open survive the removal).
+STAGED_GRACE_SECONDS = 30.0
+
+
+def staging_root(staging_dir: str, home: Path) -> Path | None:
+    """This control plane's staging root under `staging_dir` (one per home: two servers on a host never share
+    one); None when staging is off ("") or the directory does not exist."""
+    if not staging_dir or not Path(staging_dir).is_dir():
+        return None
+    tag = hashlib.sha256(str(Path(home).resolve()).encode()).hexdigest()[:12]
+    return Path(staging_dir) / f"scalarlm-staging-{tag}"
+
+
+def _pointer(job: JobDir) -> Path:
+    return job.checkpoints_dir / STAGED_FILE
+
+
+def staged_step(job: JobDir) -> tuple[int, Path] | None:
+    """The staged step `checkpoints/staged` names, if its copy is complete (renamed, with its manifest)."""
+    try:
+        name, path = _pointer(job).read_text().split(maxsplit=1)
+    except (OSError, ValueError):
+        return None
+    staged = Path(path.strip())
+    if not name.startswith("step-") or not name[5:].isdigit() or not (staged / "manifest.json").exists():
+        return None
+    return int(name[5:]), staged
+
+
+def servable_step(job: JobDir) -> tuple[int, Path] | None:
+    """The newest complete step to serve and where its files are: the staged copy while it is newer than the
+    durable `latest`, else the durable copy."""
+    durable = latest_step(job)
+    staged = staged_step(job)
+    if staged is not None and (durable is None or staged[0] > durable):
+        return staged
+    return (durable, job.step_dir(durable)) if durable is not None else None
+
+
+def stage_step(job: JobDir, root: Path, manifest: CheckpointManifest, write: Callable[[Path], None]) -> Path:
+    """Write step N with `write(tmp)` into `root/<job>/step-N/` (renamed into place, no fsync: it is memory) and
+    point `checkpoints/staged` at it; return its path."""
+    final = root / job.job_id / f"step-{manifest.step}"
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    manifest.created = manifest.created or time.time()
+    (tmp / "manifest.json").write_text(manifest.model_dump_json(indent=1))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    job.checkpoints_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(_pointer(job), f"step-{manifest.step} {final}\n")
+    return final
+
+
+def land_staged(job: JobDir, staged: Path, manifest: CheckpointManifest) -> Path:
+    """Copy a staged step into `checkpoints/step-N/` durably and atomically (`publish_step`)."""
+
+    def copy(dest: Path) -> None:
+        for f in staged.iterdir():
+            if f.is_file() and f.name != "manifest.json":
+                shutil.copyfile(f, dest / f.name)
+
+    return publish_step(job, manifest, copy)
+
+
+def prune_staged(job: JobDir, root: Path, now: float | None = None) -> list[int]:
+    """Remove this job's staged copies whose durable copy has landed, once a newer step is staged or
+    STAGED_GRACE_SECONDS after the landing; return the steps removed."""
+    folder = root / job.job_id
+    durable = latest_step(job)
+    if durable is None or not folder.is_dir():
+        return []
+    now = time.time() if now is None else now
+    steps = sorted(int(d.name[5:]) for d in folder.iterdir() if d.name.startswith("step-") and d.name[5:].isdigit())
+    removed = []
+    for step in steps:
+        if step > durable:
+            continue
+        try:
+            landed = (job.step_dir(step) / "manifest.json").stat().st_mtime
+        except OSError:
+            landed = (job.checkpoints_dir / "latest").stat().st_mtime  # superseded before it landed
+        if step < steps[-1] or now - landed >= STAGED_GRACE_SECONDS:
+            shutil.rmtree(folder / f"step-{step}", ignore_errors=True)
+            removed.append(step)
+    return removed  # the folder and the pointer stay: the trainer may be staging its next step right now
+
+
+class StagedPublisher:
+    """Rank 0's publisher of full weights: `publish` stages and returns; the durable landing runs in a thread,
+    one at a time in step order, then calls `on_landed(step)`. `wait` joins it and raises what it raised."""
+
+    def __init__(self, job: JobDir, root: Path, on_landed: Callable[[int], object]) -> None:
+        self.job, self.root, self.on_landed = job, root, on_landed
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def publish(self, job: JobDir, manifest: CheckpointManifest, write: Callable[[Path], None]) -> Path:
+        """`publish_step`'s signature: stage step N now, land it in the background."""
+        self.wait()  # the previous landing first: `latest` moves forward only
+        staged = stage_step(job, self.root, manifest, write)
+        durable_manifest = manifest.model_copy()
+        self._thread = threading.Thread(target=self._land, args=(staged, durable_manifest), name="land-checkpoint",
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
+        return staged
+
+    def _land(self, staged: Path, manifest: CheckpointManifest) -> None:
+        started = time.monotonic()
+        try:
+            land_staged(self.job, staged, manifest)
+        except BaseException as e:  # re-raised in the training thread by wait()
+            self._error = e
+            return
+        logger.info("landed step %d durably in %.2f s", manifest.step, time.monotonic() - started)
+        self.on_landed(manifest.step)
+
+    def wait(self) -> None:
+        """Block until the pending landing (if any) is done; raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"the durable copy of a staged checkpoint could not be written: {error}") from error

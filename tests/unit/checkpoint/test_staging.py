@@ -1,0 +1,124 @@
+"""Staged full-weight publish: served from memory at once, landed durably later, pruned once superseded; a kill
+during the landing leaves the previous durable step and no torn one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from scalarlm.checkpoint import JobDir, latest_step, list_steps, publish_step
+from scalarlm.checkpoint.staging import (
+    STAGED_GRACE_SECONDS,
+    StagedPublisher,
+    land_staged,
+    prune_staged,
+    servable_step,
+    stage_step,
+    staging_root,
+)
+from scalarlm.protocol.training import CheckpointManifest
+
+
+def manifest(step: int) -> CheckpointManifest:
+    return CheckpointManifest(job_id="j", step=step, base_model="b", kind="full", loss=1.0)
+
+
+def weights(content: bytes):
+    def write(d: Path) -> None:
+        (d / "model.safetensors").write_bytes(content)
+        (d / "config.json").write_text("{}")
+
+    return write
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> JobDir:
+    job = JobDir.under(tmp_path / "jobs", "j")
+    job.create()
+    return job
+
+
+def test_staging_root_is_per_home_and_off_when_asked_or_missing(tmp_path: Path) -> None:
+    assert staging_root("", tmp_path) is None
+    assert staging_root(str(tmp_path / "absent"), tmp_path) is None
+    a, b = staging_root(str(tmp_path), tmp_path / "home-a"), staging_root(str(tmp_path), tmp_path / "home-b")
+    assert a is not None and b is not None and a != b and a.parent == b.parent == tmp_path
+
+
+def test_a_staged_step_is_served_until_its_durable_copy_lands(job: JobDir, tmp_path: Path) -> None:
+    root = tmp_path / "shm"
+    publish_step(job, manifest(1), weights(b"one"))
+    staged = stage_step(job, root, manifest(2), weights(b"two"))
+    assert servable_step(job) == (2, staged)  # newer than the durable latest (1)
+    assert latest_step(job) == 1 and list_steps(job) == [1]  # nothing durable yet
+    landed = land_staged(job, staged, manifest(2))
+    assert servable_step(job) == (2, job.step_dir(2)) and landed == job.step_dir(2)
+    assert (landed / "model.safetensors").read_bytes() == b"two" and (landed / "manifest.json").exists()
+
+
+def test_a_staged_copy_is_pruned_once_landed_and_superseded_or_after_the_grace(job: JobDir, tmp_path: Path) -> None:
+    root = tmp_path / "shm"
+    one = stage_step(job, root, manifest(1), weights(b"one"))
+    assert prune_staged(job, root) == []  # not landed: it is all there is
+    land_staged(job, one, manifest(1))
+    assert prune_staged(job, root) == [] and one.exists()  # landed, but the newest: a worker may be reading it
+    two = stage_step(job, root, manifest(2), weights(b"two"))
+    assert prune_staged(job, root) == [1] and not one.exists()  # superseded and landed
+    assert prune_staged(job, root) == [] and two.exists()  # step 2 has not landed
+    land_staged(job, two, manifest(2))
+    assert prune_staged(job, root) == []
+    assert prune_staged(job, root, now=time.time() + STAGED_GRACE_SECONDS + 1) == [2] and not two.exists()
+    assert servable_step(job) == (2, job.step_dir(2))  # the pointer names a removed copy: the durable one serves
+
+
+def test_the_publisher_lands_in_the_background_and_reports_a_failed_landing(job: JobDir, tmp_path: Path) -> None:
+    landed: list[int] = []
+    publisher = StagedPublisher(job, tmp_path / "shm", landed.append)
+    staged = publisher.publish(job, manifest(1), weights(b"one"))
+    assert servable_step(job)[0] == 1 and staged.exists()
+    publisher.wait()
+    assert landed == [1] and latest_step(job) == 1
+    job.step_dir(2).parent.mkdir(parents=True, exist_ok=True)
+    job.step_dir(2).write_text("not a directory")  # the landing cannot replace it
+    publisher.publish(job, manifest(2), weights(b"two"))
+    with pytest.raises(RuntimeError, match="durable copy"):
+        publisher.wait()
+    assert landed == [1] and latest_step(job) == 1
+
+
+LAND = """
+import sys
+from pathlib import Path
+from scalarlm.checkpoint import JobDir
+from scalarlm.checkpoint.staging import land_staged
+from scalarlm.protocol.training import CheckpointManifest
+job = JobDir(Path(sys.argv[1]))
+land_staged(job, Path(sys.argv[2]), CheckpointManifest(job_id="j", step=2, base_model="b", kind="full"))
+"""
+
+
+def test_a_kill_during_the_landing_leaves_the_previous_step_and_no_torn_one(job: JobDir, tmp_path: Path) -> None:
+    publish_step(job, manifest(1), weights(b"one"))
+    big = os.urandom(1 << 20) * 384  # 384 MiB: the copy and its fsync take a while
+    staged = stage_step(job, tmp_path / "shm", manifest(2), weights(big))
+    lander = subprocess.Popen([sys.executable, "-c", LAND, str(job.root), str(staged)])
+    tmp = job.checkpoints_dir / "step-2.tmp"
+    deadline = time.monotonic() + 60
+    while not tmp.exists() and lander.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    lander.send_signal(signal.SIGKILL)
+    lander.wait()
+    if lander.returncode == 0:
+        pytest.fail("the landing finished before the kill: make the staged file bigger")
+    assert latest_step(job) == 1 and list_steps(job) == [1]  # `latest` and the complete steps are as before
+    assert not job.step_dir(2).exists()
+    assert (job.step_dir(1) / "model.safetensors").read_bytes() == b"one"
+    assert servable_step(job) == (2, staged)  # the complete staged copy still serves (a rebooted host: step 1)
+    land_staged(job, staged, manifest(2))  # the next landing replaces the leftover temp dir
+    assert latest_step(job) == 2 and not tmp.exists()
