@@ -119,6 +119,18 @@ def prune_staged(job: JobDir, root: Path, now: float | None = None) -> list[int]
     return removed  # the folder and the pointer stay: the trainer may be staging its next step right now
 
 
+def remove_empty_staging(root: Path) -> None:
+    """Remove the job folders left empty under `root`, then `root` if empty (rmdir: a folder a trainer is staging
+    into right now is not empty, so it stays)."""
+    if not root.is_dir():
+        return
+    for folder in [*root.iterdir(), root]:
+        try:
+            folder.rmdir()
+        except OSError:
+            pass
+
+
 class StagedPublisher:
     """Rank 0's publisher of full weights: `publish` stages and returns; the durable landing runs in a thread,
     one at a time in step order, then calls `on_landed(step)`. `wait` joins it and raises what it raised."""

@@ -18,7 +18,13 @@ from pathlib import Path
 
 from scalarlm.server.periodic import every
 from scalarlm.checkpoint import JobDir
-from scalarlm.checkpoint.staging import STAGED_FILE, prune_staged, servable_step, staging_root
+from scalarlm.checkpoint.staging import (
+    STAGED_FILE,
+    prune_staged,
+    remove_empty_staging,
+    servable_step,
+    staging_root,
+)
 from scalarlm.config import Settings
 from scalarlm.protocol.errors import NotFound
 from scalarlm.protocol.generate import ModelVersion
@@ -199,6 +205,7 @@ class ModelCatalog:
                 for root in self.jobs_dir.iterdir():
                     if root.is_dir():
                         prune_staged(JobDir(root), self.staging, now=float("inf"))
+                remove_empty_staging(self.staging)
 
     def polling(self) -> AbstractAsyncContextManager[None]:
         """Refresh now and then every `training.poll_seconds` (the fallback when a notice is lost)."""

@@ -18,6 +18,7 @@ from scalarlm.checkpoint.staging import (
     StagedPublisher,
     land_staged,
     prune_staged,
+    remove_empty_staging,
     servable_step,
     stage_step,
     staging_root,
@@ -75,6 +76,8 @@ def test_a_staged_copy_is_pruned_once_landed_and_superseded_or_after_the_grace(j
     assert prune_staged(job, root) == []
     assert prune_staged(job, root, now=time.time() + STAGED_GRACE_SECONDS + 1) == [2] and not two.exists()
     assert servable_step(job) == (2, job.step_dir(2))  # the pointer names a removed copy: the durable one serves
+    remove_empty_staging(root)
+    assert not root.exists()
 
 
 def test_the_publisher_lands_in_the_background_and_reports_a_failed_landing(job: JobDir, tmp_path: Path) -> None:
