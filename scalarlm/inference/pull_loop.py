@@ -17,7 +17,7 @@ from scalarlm.config import Settings
 from scalarlm.inference.engine import Engine
 from scalarlm.inference.hot_swap import WeightsLease, WeightsManager
 from scalarlm.inference.results import error_result, to_work_result
-from scalarlm.inference.sampling import SamplingCache, to_engine_prompt
+from scalarlm.inference.sampling import SamplingCache, engine_prompts
 from scalarlm.inference.versions import ModelVersions
 from scalarlm.inference.vllm_api import EngineDeadError
 from scalarlm.protocol.backend import WorkSource
@@ -159,8 +159,9 @@ class PullLoop:
                     backoff = min(backoff * 2, longest)
                 continue
             backoff = poll
-            for item in reply.requests:
-                self._submit(item)
+            prompts = await asyncio.to_thread(engine_prompts, reply.requests, self._tokenizer)
+            for item, prompt in zip(reply.requests, prompts):
+                self._submit(item, prompt)
 
     async def _pause(self, event: asyncio.Event, seconds: float) -> None:
         """Sleep up to `seconds`, waking early when `event` is set."""
@@ -169,18 +170,18 @@ class PullLoop:
         except TimeoutError:
             pass
 
-    def _submit(self, item: WorkItem) -> None:
-        """Start one item as its own engine request."""
+    def _submit(self, item: WorkItem, prompt: dict[str, Any] | Exception) -> None:
+        """Start one item (its engine prompt already tokenized) as its own engine request."""
         if not self.weights.servable(item.model):
             self._post(error_result(item, f"model '{item.model}' is not served by this worker", 0))
             return
         sequences = item.sampling.n
         self.engine.load.add(sequences)
-        task = asyncio.create_task(self._run_item(item, sequences))
+        task = asyncio.create_task(self._run_item(item, prompt, sequences))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run_item(self, item: WorkItem, sequences: int) -> None:
+    async def _run_item(self, item: WorkItem, prompt: dict[str, Any] | Exception, sequences: int) -> None:
         """Generate one item on its model's newest weights; any failure of this item becomes its error result."""
         result: WorkResult | None = None
         lease: WeightsLease | None = None
@@ -188,7 +189,8 @@ class PullLoop:
         try:
             lease = await self.weights.acquire(item.model)
             version = lease.version
-            prompt = to_engine_prompt(item, self._tokenizer)
+            if isinstance(prompt, Exception):  # its chat messages could not be rendered
+                raise prompt
             params = self._sampling.get(item.sampling)
             final = None
             request_id = f"{item.request_id}#{next(self._ids)}"

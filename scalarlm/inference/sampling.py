@@ -65,6 +65,30 @@ class SamplingCache:
         return cached
 
 
+def engine_prompts(items: list[WorkItem], tokenizer: Any) -> list[dict[str, Any] | Exception]:
+    """The vLLM prompt of each leased item, every text prompt tokenized in one batched call (special tokens added,
+    as vLLM's own tokenization of a text prompt does), so the engine is handed token ids and does not tokenize each
+    request on its own; chat messages rendered with the chat template. A tokenizer that cannot batch leaves the
+    text to vLLM. An item whose messages cannot be rendered gets the exception, to become its own error result."""
+    prompts: list[dict[str, Any] | Exception] = [{} for _ in items]
+    for i, item in enumerate(items):
+        if item.messages is not None:
+            try:
+                prompts[i] = to_engine_prompt(item, tokenizer)
+            except Exception as exc:
+                prompts[i] = exc
+    texts = [i for i, item in enumerate(items) if item.messages is None]
+    if not texts:
+        return prompts
+    try:
+        encoded = tokenizer([items[i].prompt or "" for i in texts], add_special_tokens=True)["input_ids"]
+    except Exception:  # e.g. a tokenizer wrapper without batch encoding: vLLM tokenizes each text itself
+        encoded = None
+    for n, i in enumerate(texts):
+        prompts[i] = {"prompt_token_ids": list(encoded[n])} if encoded is not None else {"prompt": items[i].prompt or ""}
+    return prompts
+
+
 def to_engine_prompt(item: WorkItem, tokenizer: Any) -> dict[str, Any]:
     """The vLLM prompt for a work item: text as-is; chat messages rendered with the model's chat template."""
     if item.messages is not None:

@@ -84,3 +84,27 @@ def test_sampling_cache_reuses_params_per_distinct_setting() -> None:
     b = cache.get(SamplingParams(temperature=0.5, stop=["y"]))
     assert b is not a and b.stop == ["y"] and a.stop == ["x"]
     assert cache.get(SamplingParams()).temperature == 0.0
+
+
+def test_a_leased_batch_is_tokenized_at_once_as_vllm_would_each_prompt(tiny_model_dir) -> None:
+    from transformers import AutoTokenizer
+
+    from scalarlm.inference.sampling import engine_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    texts = ["Hello there", "", "What is 2 + 2?  Tell me\nnow."]
+    chat = WorkItem(request_id="c", model="m", messages=[ChatMessage(role="user", content="hi")],
+                    sampling=SamplingParams())  # fmt: skip
+    items = [WorkItem(request_id=f"t{i}", model="m", prompt=t, sampling=SamplingParams()) for i, t in enumerate(texts)]
+    prompts = engine_prompts([items[0], chat, items[1], items[2]], tokenizer)
+    # vLLM encodes a text prompt with add_special_tokens=True; the batched call gives the same ids per prompt.
+    assert [p["prompt_token_ids"] for p in (prompts[0], prompts[2], prompts[3])] == [
+        tokenizer.encode(t, add_special_tokens=True) for t in texts
+    ]
+    assert prompts[1] == to_engine_prompt(chat, tokenizer)
+    assert engine_prompts(items[:1], tokenizer=None) == [{"prompt": "Hello there"}]  # no batch call: vLLM tokenizes
+
+    tokenizer.chat_template = "{{ raise_exception('this model has no chat template') }}"
+    bad = engine_prompts([chat, items[0]], tokenizer)
+    assert isinstance(bad[0], Exception) and "no chat template" in str(bad[0])  # that item's own error result
+    assert bad[1]["prompt_token_ids"] == tokenizer.encode(texts[0])
