@@ -10,6 +10,7 @@ SUITES = [
     ["bench.training"],
     ["bench.training", "--family", "qwen3"],  # sft_vs_hf_trainer_qwen3, beside the Llama figure
     ["bench.grpo"],
+    ["bench.grpo_learn"],  # 30 steps of a learnable task, sync and async, both reward curves in one PNG
     ["bench.publish_latency"],
 ]
 

@@ -1,0 +1,232 @@
+"""A learnable GRPO comparison: ours (sync and async) and TRL `GRPOTrainer` on the same arithmetic task, from the
+same SFT warm start, for the same number of steps; both reward curves in one PNG.
+
+bench/grpo.py's setup (the ~39M-parameter model, PROMPTS_PER_STEP prompts x GROUP completions of at most COMPLETION
+tokens at temperature 1, the GRPO loss with beta 0 and clip 0.2, one optimizer step per batch, constant LR) on
+sums of two digits ("3+9=" -> "12", examples/rl_arithmetic.py's kind of problem) with an exact-answer reward (1 when the
+first number written is the sum). The warm start is one short SFT job on our trainer; its published checkpoint is
+the start of all three runs: our RL session one step at a time (sync), our session's `pipeline` (the next batch
+generated while the step trains, `max_staleness` 1: async), and TRL in a fresh process. `grpo_step_vs_trl` is
+the async ratio, `grpo_step_vs_trl_sync` the sync one (bench/grpo.py's digit-reward ratio is
+`grpo_step_vs_trl_digits`). Step time = wall time from
+the end of step 1 to the end of step N / (N - 1). Prints the ratios measured in this run, the load average, and
+writes build/bench/grpo_reward_curves.png. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import ROOT, free_port, merge_results, python
+from bench.grpo import CLIP, COMPLETION, GROUP, PROMPTS_PER_STEP, SlowStart, finish_trl, load
+from bench.training import make_model
+
+PROBLEMS = [(f"{a}+{b}=", str(a + b)) for a, b in itertools.product(range(10), repeat=2)]
+ANSWERS = dict(PROBLEMS)
+LR = 1e-4
+SFT_STEPS = 8  # few on purpose: the warm start learns the format, and leaves the sums to RL
+PNG = ROOT / "build" / "bench" / "grpo_reward_curves.png"
+_NUMBER = re.compile(r"\d+")
+
+
+def answer_reward(completion: str, answer: str) -> float:
+    """1.0 when the first number in the completion is the sum, else 0.0."""
+    found = _NUMBER.search(completion)
+    return 1.0 if found is not None and found.group() == answer else 0.0
+
+
+def batches(steps: int, seed: int = 0) -> list[list[str]]:
+    """The prompts of every step, the same for every side."""
+    rng = random.Random(seed)
+    return [[p for p, _ in rng.sample(PROBLEMS, PROMPTS_PER_STEP)] for _ in range(steps)]
+
+
+# --- TRL: `python -m bench.grpo_learn --trl` runs GRPOTrainer in a fresh process and prints JSON ---
+
+
+def run_trl(model: Path, steps: int, out_dir: Path) -> dict:
+    """TRL GRPOTrainer from the warm-start checkpoint: HF generate, CPU, fp32; per-step end times and rewards."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    rewards: list[float] = []
+    ends: list[float] = []
+
+    def reward(prompts, completions, **kwargs):
+        scores = [answer_reward(c, ANSWERS[p]) for p, c in zip(prompts, completions)]
+        rewards.append(statistics.fmean(scores))
+        return scores
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append(time.perf_counter())
+
+    cfg = GRPOConfig(output_dir=str(out_dir), max_steps=steps, per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
+                     num_generations=GROUP, max_completion_length=COMPLETION, temperature=1.0, learning_rate=LR,
+                     lr_scheduler_type="constant", beta=0.0, epsilon=CLIP, loss_type="grpo", use_cpu=True, bf16=False,
+                     report_to="none", save_strategy="no", logging_steps=10_000, seed=0, disable_tqdm=True,
+                     dataloader_num_workers=0, shuffle_dataset=False)  # fmt: skip
+    data = Dataset.from_list([{"prompt": p} for batch in batches(steps) for p in batch])
+    trainer = GRPOTrainer(model=lm, reward_funcs=[reward], args=cfg, train_dataset=data, processing_class=tokenizer,
+                          callbacks=[StepClock()])  # fmt: skip
+    trainer.train()
+    return {"seconds_per_step": (ends[-1] - ends[0]) / (len(ends) - 1), "rewards": rewards,
+            "seconds": [e - ends[0] for e in ends]}  # fmt: skip
+
+
+# --- ours: one `scalarlm serve`; the warm start, then a sync and an async session from it ---
+
+
+def _rows(batch: list[str], results: list) -> list[dict]:
+    return [{"prompt": p, "completion": o.text, "reward": answer_reward(o.text, ANSWERS[p]), "group": p,
+             "logprobs": o.logprobs, "completion_token_ids": o.token_ids}
+            for p, r in zip(batch, results) for o in r.outputs or []]  # fmt: skip
+
+
+def warm_start(llm, home: Path) -> tuple[str, Path]:
+    """One short SFT job on the answer format; its id and its published checkpoint (HF layout)."""
+    rows = [{"input": p, "output": a} for p, a in PROBLEMS]
+    job = llm.train(rows, train_args={"adapter_type": "full", "learning_rate": 1e-3, "max_seq_len": 32,
+                                      "dtype": "float32", "lr_schedule": "constant", "batch_size": 8,
+                                      "max_steps": SFT_STEPS, "steps_per_checkpoint": SFT_STEPS})  # fmt: skip
+    job.wait(timeout=900, progress=False)
+    step = job.info().checkpoints[-1]
+    return job.id, home / "jobs" / job.id / "checkpoints" / f"step-{step}"
+
+
+RL_ARGS = {"adapter_type": "full", "loss": "grpo", "learning_rate": LR, "clip_eps": CLIP, "kl_coef": 0.0,
+           "max_seq_len": 64, "dtype": "float32", "lr_schedule": "constant", "batch_size": 1}  # fmt: skip
+SAMPLING = {"n": GROUP, "temperature": 1.0, "logprobs": 1}
+
+
+def ours_sync(llm, start: str, steps: int) -> dict:
+    """Generate, score, step, one after another."""
+    rewards, ends = [], []
+    rng = random.Random(1)
+    with llm.rl_session(model_name=start, train_args=RL_ARGS, max_staleness=0) as session:
+        served, version = start, 0
+        for batch in batches(steps):
+            results = llm.generate(batch, model_name=served, max_tokens=COMPLETION, seed=rng.randrange(1 << 30),
+                                   return_details=True, **SAMPLING)  # fmt: skip
+            rows = _rows(batch, results)
+            version = session.step(rows, version=version)
+            served = session.model_name
+            ends.append(time.perf_counter())
+            rewards.append(statistics.fmean(r["reward"] for r in rows))
+    return {"seconds_per_step": (ends[-1] - ends[0]) / (len(ends) - 1), "rewards": rewards,
+            "seconds": [e - ends[0] for e in ends]}  # fmt: skip
+
+
+def ours_async(llm, start: str, steps: int) -> dict:
+    """`session.pipeline`: batch k+1 is generated while step k trains (one version stale)."""
+    plan = batches(steps)
+    rewards, ends, staleness = [], [], []
+    with llm.rl_session(model_name=start, train_args=RL_ARGS, max_staleness=1) as session:
+        pipeline = session.pipeline(lambda i: plan[i], _rows, steps, max_tokens=COMPLETION, **SAMPLING)
+        for s in pipeline:
+            ends.append(time.perf_counter())
+            rewards.append(statistics.fmean(r["reward"] for r in s.rows))
+            staleness.append(s.response.staleness)
+    return {"seconds_per_step": (ends[-1] - ends[0]) / (len(ends) - 1), "rewards": rewards,
+            "seconds": [e - ends[0] for e in ends], "staleness": staleness}  # fmt: skip
+
+
+def _rolling(values: list[float], window: int) -> list[float]:
+    return [statistics.fmean(values[max(0, i + 1 - window):i + 1]) for i in range(len(values))]
+
+
+def plot(curves: dict[str, dict], steps: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, run in curves.items():
+        smooth = _rolling(run["rewards"], 5)
+        line = by_step.plot(range(1, len(smooth) + 1), smooth, label=f"{name} (mean of 5 steps)", linewidth=2)[0]
+        by_step.plot(range(1, len(run["rewards"]) + 1), run["rewards"], color=line.get_color(), alpha=0.3)
+        by_time.plot(run["seconds"], smooth, color=line.get_color(), linewidth=2, label=name)
+    by_step.set(xlabel="step", ylabel="mean reward (exact sum)", title=f"GRPO, {steps} steps from one SFT warm start")
+    by_time.set(xlabel="seconds after step 1", ylabel="mean reward", title="the same against wall time")
+    by_step.legend()
+    fig.tight_layout()
+    PNG.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(PNG, dpi=100)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--model", type=Path, default=ROOT / "build" / "bench" / "model-40m")
+    ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds allowed to the TRL side")
+    ap.add_argument("--trl", action="store_true", help="run only the TRL side in this process (internal)")
+    args = ap.parse_args()
+    if args.trl:
+        print(json.dumps(run_trl(args.model, args.steps, args.work / "out-trl")))
+        return
+    import scalarlm
+
+    model = make_model(args.model.resolve())
+    work = Path(tempfile.mkdtemp(prefix="bench-grpo-learn-", dir=ROOT / "build" / "bench"))
+    print(f"model {model}; {PROMPTS_PER_STEP} prompts x {GROUP} completions x <= {COMPLETION} tokens per step, "
+          f"{args.steps} steps, lr {LR}; work {work}")  # fmt: skip
+    port = free_port()
+    argv = [python(), "-m", "scalarlm.cli", "serve", "--model", str(model), "--home", str(work / "home"),
+            "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    curves: dict[str, dict] = {}
+    with SlowStart(argv, f"http://127.0.0.1:{port}/v1/health", log=work / "scalarlm-serve.log"):
+        llm = scalarlm.ScalarLM(api_url=f"http://127.0.0.1:{port}", timeout=600)
+        start, checkpoint = warm_start(llm, work / "home")
+        print(f"warm start {start}: {checkpoint}")
+        for name, side in (("ours sync", ours_sync), ("ours async", ours_async)):
+            before = load()
+            curves[name] = side(llm, start, args.steps)
+            print(f"{name:11s} {curves[name]['seconds_per_step']:6.2f} s/step   load avg {before} -> {load()}")
+    before = load()
+    trl_proc = subprocess.Popen([python(), "-m", "bench.grpo_learn", "--trl", "--model", str(checkpoint), "--steps",
+                                 str(args.steps), "--work", str(work)], cwd=ROOT, stdout=open(work / "trl.json", "w"),
+                                stderr=open(work / "trl.log", "w"), start_new_session=True)  # fmt: skip
+    curves["TRL GRPOTrainer"] = finish_trl(trl_proc, work, args.timeout)
+    print(f"TRL         {curves['TRL GRPOTrainer']['seconds_per_step']:6.2f} s/step   load avg {before} -> {load()}")
+    trl = curves["TRL GRPOTrainer"]
+    figures = {
+        "grpo_step_vs_trl": round(curves["ours async"]["seconds_per_step"] / trl["seconds_per_step"], 3),
+        "grpo_step_vs_trl_sync": round(curves["ours sync"]["seconds_per_step"] / trl["seconds_per_step"], 3),
+    }
+    tail = max(1, args.steps // 3)
+    for name, run in curves.items():
+        key = "grpo_learn_reward_last_third_" + name.split()[0].lower() + ("_" + name.split()[1] if "ours" in name else "")
+        figures[key] = round(statistics.fmean(run["rewards"][-tail:]), 3)
+        print(f"{name:16s} reward curve: " + " ".join(f"{r:.2f}" for r in run["rewards"]))
+    print(f"async staleness per step: {curves['ours async'].get('staleness')}")
+    print(f"grpo_step_vs_trl = {figures['grpo_step_vs_trl']} (async, target <= 0.5), "
+          f"grpo_step_vs_trl_sync = {figures['grpo_step_vs_trl_sync']}")
+    plot(curves, args.steps)
+    print(f"wrote {PNG}")
+    merge_results(figures)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    sys.stdout.reconfigure(line_buffering=True)
+    main()
