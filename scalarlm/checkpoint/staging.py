@@ -31,6 +31,7 @@ STAGED_FILE = "staged"  # in `checkpoints/`: "step-<N> <absolute staged path>"
 # A staged copy whose durable copy landed is removed once a newer step is staged or after this long (a worker
 # that began reading it before the landing has that long to finish; files it has open survive the removal).
 STAGED_GRACE_SECONDS = 30.0
+STAGING_HEADROOM_BYTES = 256 << 20  # left free in the staging directory beyond two copies of a checkpoint
 
 
 def staging_root(staging_dir: str, home: Path) -> Path | None:
@@ -131,19 +132,42 @@ def remove_empty_staging(root: Path) -> None:
             pass
 
 
+def _room(root: Path) -> int:
+    """Free bytes where `root` is (or would be created)."""
+    folder = root
+    while not folder.exists():
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
 class StagedPublisher:
     """Rank 0's publisher of full weights: `publish` stages and returns; the durable landing runs in a thread,
-    one at a time in step order, then calls `on_landed(step)`. `wait` joins it and raises what it raised."""
+    one at a time in step order, then calls `on_landed(step)`. `wait` joins it and raises what it raised.
 
-    def __init__(self, job: JobDir, root: Path, on_landed: Callable[[int], object]) -> None:
+    A step is staged only while the staging directory has room for two copies of `expected_bytes` (the base
+    checkpoint's size; a container's /dev/shm is often 64 MiB, and vLLM needs some of it): otherwise, or when
+    writing there fails, it is published durably at once, as without staging."""
+
+    def __init__(self, job: JobDir, root: Path, on_landed: Callable[[int], object], expected_bytes: int = 0) -> None:
         self.job, self.root, self.on_landed = job, root, on_landed
+        self.expected_bytes = expected_bytes
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
     def publish(self, job: JobDir, manifest: CheckpointManifest, write: Callable[[Path], None]) -> Path:
-        """`publish_step`'s signature: stage step N now, land it in the background."""
+        """`publish_step`'s signature: stage step N now and land it in the background (or publish it durably)."""
         self.wait()  # the previous landing first: `latest` moves forward only
-        staged = stage_step(job, self.root, manifest, write)
+        free = _room(self.root)
+        if free < 2 * self.expected_bytes + STAGING_HEADROOM_BYTES:
+            logger.warning("staging %s has %.0f MiB free, too little for a %.0f MiB checkpoint: publishing step %d "
+                           "durably", self.root, free / 2**20, self.expected_bytes / 2**20, manifest.step)
+            return publish_step(job, manifest, write)
+        try:
+            staged = stage_step(job, self.root, manifest, write)
+        except OSError as e:  # e.g. the memory filesystem filled up
+            logger.warning("could not stage step %d in %s (%s): publishing it durably", manifest.step, self.root, e)
+            shutil.rmtree(self.root / job.job_id / f"step-{manifest.step}.tmp", ignore_errors=True)
+            return publish_step(job, manifest, write)
         durable_manifest = manifest.model_copy()
         self._thread = threading.Thread(target=self._land, args=(staged, durable_manifest), name="land-checkpoint",
                                         daemon=True)  # fmt: skip

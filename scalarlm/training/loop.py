@@ -103,7 +103,8 @@ class Trainer:
         staging = os.environ.get(STAGING_ENV)
         self.publisher = None
         if staging and par.is_main and not self.lora:
-            self.publisher = StagedPublisher(job, Path(staging), lambda step: notify_published(config.job_id, step))
+            self.publisher = StagedPublisher(job, Path(staging), lambda step: notify_published(config.job_id, step),
+                                             sum(f.stat().st_size for f in self.base.glob("*.safetensors")))
 
     def _build_model(self, trained: bool = True) -> torch.nn.Module:
         """The GPTModel shard of this TP rank, loaded from the base HF checkpoint (`trained`: False for the frozen

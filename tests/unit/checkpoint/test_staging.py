@@ -125,3 +125,14 @@ def test_a_kill_during_the_landing_leaves_the_previous_step_and_no_torn_one(job:
     assert servable_step(job) == (2, staged)  # the complete staged copy still serves (a rebooted host: step 1)
     land_staged(job, staged, manifest(2))  # the next landing replaces the leftover temp dir
     assert latest_step(job) == 2 and not tmp.exists()
+
+
+def test_without_room_to_stage_a_step_is_published_durably_at_once(job: JobDir, tmp_path: Path) -> None:
+    import shutil
+
+    free = shutil.disk_usage(tmp_path).free
+    publisher = StagedPublisher(job, tmp_path / "shm", lambda step: None, expected_bytes=free)  # two copies won't fit
+    path = publisher.publish(job, manifest(1), weights(b"one"))
+    assert path == job.step_dir(1) and latest_step(job) == 1 and not (tmp_path / "shm").exists()
+    assert servable_step(job) == (1, job.step_dir(1))
+    publisher.wait()  # nothing pending
