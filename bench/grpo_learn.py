@@ -3,7 +3,7 @@ same SFT warm start, for the same number of steps; both reward curves in one PNG
 
 bench/grpo.py's setup (the ~39M-parameter model, PROMPTS_PER_STEP prompts x GROUP completions of at most COMPLETION
 tokens at temperature 1, the GRPO loss with beta 0 and clip 0.2, one optimizer step per batch, constant LR) on
-sums of two digits ("3+9=" -> "12", examples/rl_arithmetic.py's kind of problem) with an exact-answer reward (1 when the
+single-digit sums ("3+4=" -> "7", examples/rl_arithmetic.py's problems) with an exact-answer reward (1 when the
 first number written is the sum). The warm start is one short SFT job on our trainer; its published checkpoint is
 the start of all three runs: our RL session one step at a time (sync), our session's `pipeline` (the next batch
 generated while the step trains, `max_staleness` 1: async), and TRL in a fresh process. `grpo_step_vs_trl` is
@@ -31,10 +31,10 @@ from bench.common import ROOT, free_port, merge_results, python
 from bench.grpo import CLIP, COMPLETION, GROUP, PROMPTS_PER_STEP, SlowStart, finish_trl, load
 from bench.training import make_model
 
-PROBLEMS = [(f"{a}+{b}=", str(a + b)) for a, b in itertools.product(range(10), repeat=2)]
+PROBLEMS = [(f"{a}+{b}=", str(a + b)) for a, b in itertools.product(range(5), repeat=2)]
 ANSWERS = dict(PROBLEMS)
 LR = 1e-4
-SFT_STEPS = 8  # few on purpose: the warm start learns the format, and leaves the sums to RL
+SFT_STEPS = 4  # few on purpose: the warm start learns the format and some sums, and leaves the rest to RL
 PNG = ROOT / "build" / "bench" / "grpo_reward_curves.png"
 _NUMBER = re.compile(r"\d+")
 
