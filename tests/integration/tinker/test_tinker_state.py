@@ -141,3 +141,38 @@ def test_rest_client_lists_runs_checkpoints_and_weights_info(service: Any, saved
     assert training.save_state("after-2", overwrite=True).result().path == path  # replaced in place
     assert manifest.read_text() != before and len(rest.list_checkpoints(run_id).result().checkpoints) == 1
     print(f"RestClient listings: {time.monotonic() - start:.1f} s")
+
+
+def test_a_team_key_sees_only_its_own_runs_and_checkpoints(server: tuple[str, Path], saved: dict[str, Any],
+                                                           keys: dict[str, str]) -> None:  # fmt: skip
+    start = time.monotonic()
+    url = server[0]
+    team_a = tinker.ServiceClient(base_url=url, api_key=keys["a"])
+    training = team_a.create_lora_training_client(base_model=saved["base"], rank=4, seed=5).result()
+    run_id = training.get_info().model_id
+    path = training.save_state("team-a").result().path
+    theirs = saved["training"].get_info().model_id  # made with the admin key
+    rest = {name: tinker.RestClient(base_url=url, api_key=key) for name, key in keys.items()}
+
+    def runs(name: str) -> set[str]:
+        return {r.training_run_id for r in rest[name].list_training_runs(limit=100).result().training_runs}
+
+    def checkpoints(name: str) -> set[str]:
+        return {c.tinker_path for c in rest[name].list_user_checkpoints(limit=1000).result().checkpoints}
+
+    assert run_id in runs("a") and theirs not in runs("a")
+    assert run_id not in runs("b") and theirs not in runs("b")
+    assert {run_id, theirs} <= runs("admin")
+    assert path in checkpoints("a") and saved["path"] not in checkpoints("a")
+    assert path not in checkpoints("b") and {path, saved["path"]} <= checkpoints("admin")
+    assert [c.tinker_path for c in rest["a"].list_checkpoints(run_id).result().checkpoints] == [path]
+    for call in (lambda: rest["b"].get_training_run(run_id), lambda: rest["b"].list_checkpoints(run_id),
+                 lambda: rest["b"].get_weights_info_by_tinker_path(path),
+                 lambda: rest["b"].delete_checkpoint_from_tinker_path(path)):  # fmt: skip
+        with pytest.raises(tinker.NotFoundError):
+            call().result()
+    assert path in checkpoints("a")  # b's delete removed nothing
+    assert rest["admin"].get_training_run(run_id).result().model_owner == rest["a"].get_training_run(
+        run_id).result().model_owner != "local"
+    team_a.close("success").result()
+    print(f"per-key listings: {time.monotonic() - start:.1f} s")

@@ -138,6 +138,12 @@ def owner(request: Request) -> str:
     return key.key_id if key is not None else "local"
 
 
+def viewer(request: Request) -> str | None:
+    """Whose runs the RestClient routes show: the caller key's own; None (all) to an admin key or with auth off."""
+    key = getattr(request.state, "api_key", None)
+    return None if key is None or "admin" in key.scopes else key.key_id
+
+
 @router.post("/create_model")
 async def create_model(request: Request, body: Body, tinker: Tinker) -> dict[str, Any]:
     model_id = tinker.create_model(_need(body, "base_model"), body.get("lora_config"), body.get("user_metadata"),
@@ -201,34 +207,34 @@ async def load_weights(request: Request, body: Body, tinker: Tinker) -> dict[str
 
 
 @router.post("/weights_info")
-async def weights_info(body: Body, tinker: Tinker) -> dict[str, Any]:
-    return await asyncio.to_thread(runs.weights_info, tinker, _need(body, "tinker_path"))
+async def weights_info(request: Request, body: Body, tinker: Tinker) -> dict[str, Any]:
+    return await asyncio.to_thread(runs.weights_info, tinker, _need(body, "tinker_path"), viewer(request))
 
 
 @router.get("/training_runs")
-async def training_runs(tinker: Tinker, limit: int = 20, offset: int = 0) -> dict[str, Any]:
-    return await asyncio.to_thread(runs.list_training_runs, tinker, limit, offset)
+async def training_runs(request: Request, tinker: Tinker, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+    return await asyncio.to_thread(runs.list_training_runs, tinker, limit, offset, viewer(request))
 
 
 @router.get("/training_runs/{run_id}")
-async def training_run(run_id: str, tinker: Tinker) -> dict[str, Any]:
-    return await asyncio.to_thread(runs.get_training_run, tinker, run_id)
+async def training_run(request: Request, run_id: str, tinker: Tinker) -> dict[str, Any]:
+    return await asyncio.to_thread(runs.get_training_run, tinker, run_id, viewer(request))
 
 
 @router.get("/training_runs/{run_id}/checkpoints")
-async def run_checkpoints(run_id: str, tinker: Tinker) -> dict[str, Any]:
-    return await asyncio.to_thread(runs.list_checkpoints, tinker, run_id)
+async def run_checkpoints(request: Request, run_id: str, tinker: Tinker) -> dict[str, Any]:
+    return await asyncio.to_thread(runs.list_checkpoints, tinker, run_id, viewer(request))
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
-async def delete_checkpoint(run_id: str, checkpoint_id: str, tinker: Tinker) -> Response:
-    await asyncio.to_thread(runs.delete_checkpoint, tinker, run_id, checkpoint_id)
+async def delete_checkpoint(request: Request, run_id: str, checkpoint_id: str, tinker: Tinker) -> Response:
+    await asyncio.to_thread(runs.delete_checkpoint, tinker, run_id, checkpoint_id, viewer(request))
     return Response(status_code=204)
 
 
 @router.get("/checkpoints")
-async def checkpoints(tinker: Tinker, limit: int = 100, offset: int = 0) -> dict[str, Any]:
-    return await asyncio.to_thread(runs.list_user_checkpoints, tinker, limit, offset)
+async def checkpoints(request: Request, tinker: Tinker, limit: int = 100, offset: int = 0) -> dict[str, Any]:
+    return await asyncio.to_thread(runs.list_user_checkpoints, tinker, limit, offset, viewer(request))
 
 
 @router.post("/create_sampling_session")

@@ -39,18 +39,27 @@ def _checkpoint(run_id: str, entry: dict[str, Any]) -> dict[str, Any]:
             "user_metadata": _strings(entry["user_metadata"])}  # fmt: skip
 
 
-def _run_jobs(tinker: "TinkerService") -> list[JobDir]:
-    """Every training run's job dir, newest first."""
+def _visible(run: dict[str, Any], viewer: str | None) -> bool:
+    """Whether the caller may see a run: its own key's runs (`viewer` None: an admin key or auth off sees all)."""
+    return viewer is None or run.get("owner", "local") == viewer
+
+
+def _run_jobs(tinker: "TinkerService", viewer: str | None) -> list[JobDir]:
+    """The training runs the caller may see, newest first."""
     runs = [TinkerRunDir(JobDir(p.parent.parent)) for p in tinker.jobs_dir.glob("*/tinker/run.json")]
+    runs = [r for r in runs if _visible(r.read_run(), viewer)]
     runs.sort(key=lambda r: r.read_run().get("created", 0.0), reverse=True)
     return [r.job for r in runs]
 
 
-def _run_job(tinker: "TinkerService", run_id: str) -> JobDir:
+def _run_job(tinker: "TinkerService", run_id: str, viewer: str | None) -> JobDir:
     job = tinker.sessions.jobs.job(tinker.job_id(run_id))
-    if not TinkerRunDir(job).is_run():
+    files = TinkerRunDir(job)
+    if not files.is_run():
         raise NotFound(f"{run_id!r} is not a Tinker training run (it was not made through create_model)",
                        param="training_run_id")  # fmt: skip
+    if not _visible(files.read_run(), viewer):  # another key's run: as if it did not exist
+        raise NotFound(f"training run {run_id!r} does not exist", param="training_run_id")
     return job
 
 
@@ -70,8 +79,8 @@ def training_run(tinker: "TinkerService", job: JobDir) -> dict[str, Any]:
             "last_sampler_checkpoint": last["sampler"], "user_metadata": _strings(run.get("user_metadata"))}  # fmt: skip
 
 
-def get_training_run(tinker: "TinkerService", run_id: str) -> dict[str, Any]:
-    return training_run(tinker, _run_job(tinker, run_id))
+def get_training_run(tinker: "TinkerService", run_id: str, viewer: str | None) -> dict[str, Any]:
+    return training_run(tinker, _run_job(tinker, run_id, viewer))
 
 
 def _page(limit: int, offset: int) -> tuple[int, int]:
@@ -80,26 +89,26 @@ def _page(limit: int, offset: int) -> tuple[int, int]:
     return limit, offset
 
 
-def list_training_runs(tinker: "TinkerService", limit: int, offset: int) -> dict[str, Any]:
-    """Training runs, newest first, one page (limit 0: all)."""
+def list_training_runs(tinker: "TinkerService", limit: int, offset: int, viewer: str | None) -> dict[str, Any]:
+    """The caller's training runs, newest first, one page (limit 0: all)."""
     limit, offset = _page(limit, offset)
-    jobs = _run_jobs(tinker)
+    jobs = _run_jobs(tinker, viewer)
     page = jobs[offset : offset + limit] if limit else jobs[offset:]
     return {"training_runs": [training_run(tinker, j) for j in page],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(jobs)}}  # fmt: skip
 
 
-def list_checkpoints(tinker: "TinkerService", run_id: str) -> dict[str, Any]:
+def list_checkpoints(tinker: "TinkerService", run_id: str, viewer: str | None) -> dict[str, Any]:
     """One run's saved states and named samplers, oldest first (unpaginated, as the SDK expects)."""
-    job = _run_job(tinker, run_id)
+    job = _run_job(tinker, run_id, viewer)
     return {"checkpoints": [_checkpoint(job.job_id, c) for c in TinkerRunDir(job).checkpoints()]}
 
 
-def list_user_checkpoints(tinker: "TinkerService", limit: int, offset: int) -> dict[str, Any]:
-    """Every run's checkpoints, newest first, one page (limit 0: all)."""
+def list_user_checkpoints(tinker: "TinkerService", limit: int, offset: int, viewer: str | None) -> dict[str, Any]:
+    """The checkpoints of every run the caller may see, newest first, one page (limit 0: all)."""
     limit, offset = _page(limit, offset)
     found = [_checkpoint(j.job_id, c) | {"training_run_id": j.job_id}
-             for j in _run_jobs(tinker) for c in TinkerRunDir(j).checkpoints()]  # fmt: skip
+             for j in _run_jobs(tinker, viewer) for c in TinkerRunDir(j).checkpoints()]  # fmt: skip
     found.sort(key=lambda c: c["time"], reverse=True)
     page = found[offset : offset + limit] if limit else found[offset:]
     for c in page:
@@ -107,10 +116,10 @@ def list_user_checkpoints(tinker: "TinkerService", limit: int, offset: int) -> d
     return {"checkpoints": page, "cursor": {"offset": offset, "limit": limit, "total_count": len(found)}}
 
 
-def weights_info(tinker: "TinkerService", tinker_path: Any) -> dict[str, Any]:
+def weights_info(tinker: "TinkerService", tinker_path: Any, viewer: str | None) -> dict[str, Any]:
     """What loading a tinker path needs: base model and the LoRA shape (rank, which layers it trains)."""
     path = tinker.parse_path(tinker_path, "tinker_path")
-    job = _run_job(tinker, path.run)
+    job = _run_job(tinker, path.run, viewer)
     files = TinkerRunDir(job)
     exists = files.weights_dir(path.name).exists() if path.kind == "weights" else files.read_sampler(path.name)
     if not exists:
@@ -124,9 +133,9 @@ def weights_info(tinker: "TinkerService", tinker_path: Any) -> dict[str, Any]:
             "train_unembed": False}  # fmt: skip
 
 
-def delete_checkpoint(tinker: "TinkerService", run_id: str, checkpoint_id: str) -> None:
+def delete_checkpoint(tinker: "TinkerService", run_id: str, checkpoint_id: str, viewer: str | None) -> None:
     """Remove a saved state or a sampler's name (the published `checkpoints/step-<N>` it named stays servable)."""
-    job = _run_job(tinker, run_id)
+    job = _run_job(tinker, run_id, viewer)
     path = tinker.parse_path(f"tinker://{job.job_id}/{checkpoint_id}", "checkpoint_id")
     files = TinkerRunDir(job)
     if path.kind == "weights" and files.weights_dir(path.name).exists():
