@@ -281,6 +281,12 @@ EVIDENCE: dict[str, list[str]] = {
         "tests/unit/launcher/test_job_slots.py::test_jobs_past_the_limit_wait_and_start_in_order",
         "tests/unit/launcher/test_job_slots.py::test_the_control_planes_poll_starts_the_next_waiting_job",
     ],
+    "Settings.training.staging_dir": [
+        "tests/unit/launcher/test_notify_env.py::test_a_trainer_on_an_embedded_node_is_told_where_to_stage_full_weights",
+        "tests/integration/loop/test_openai_trained.py::"
+        "test_full_weights_are_served_from_the_staged_copy_and_the_same_files_land_durably",
+        "tests/unit/checkpoint/test_staging.py::test_without_room_to_stage_a_step_is_published_durably_at_once",
+    ],
     "Settings.training.poll_seconds": ["tests/integration/loop/test_catalog.py::test_poll_picks_up_steps_without_a_notice"],
     "Settings.training.session_idle_seconds": [
         "tests/integration/loop/test_session_idle.py::test_idle_session_ends_itself_with_state_saved",

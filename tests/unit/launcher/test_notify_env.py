@@ -108,3 +108,23 @@ def test_slurm_passes_url_and_key_through_sbatchs_environment_not_the_script(tmp
     assert "-x SCALARLM_NOTIFY_URL -x SCALARLM_NOTIFY_KEY" in script  # mpirun hands both to every rank
     assert "the key is deliberately not in this file" in script
     assert sys.executable in script
+
+
+def test_a_trainer_on_an_embedded_node_is_told_where_to_stage_full_weights(tmp_path: Path) -> None:
+    """`training.staging_dir`: one root per home under it, on an embedded node only; "" (or a missing directory)
+    turns staging off, as does a split deployment (the engine is elsewhere and could not read it)."""
+    from scalarlm.checkpoint.staging import STAGING_ENV, staging_root
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+
+    def staging(role: str, staging_dir: str) -> str | None:
+        settings = Settings(home=tmp_path / "home", model=str(tmp_path / "model"), server={"role": role},
+                            training={"staging_dir": staging_dir})  # fmt: skip
+        return LocalLauncher(settings)._environment().get(STAGING_ENV)
+
+    assert staging("embedded", str(shm)) == str(staging_root(str(shm), tmp_path / "home"))
+    assert Path(staging("embedded", str(shm))).parent == shm
+    assert staging("embedded", "") is None
+    assert staging("embedded", str(tmp_path / "absent")) is None
+    assert staging("api", str(shm)) is None
