@@ -55,8 +55,10 @@ def load() -> str:
 # --- TRL: `python -m bench.grpo --trl` runs GRPOTrainer in a fresh process and prints JSON ---
 
 
-def run_trl(model: Path, steps: int, out_dir: Path) -> dict:
-    """TRL GRPOTrainer, HF generate (no vLLM), CPU, fp32; per-step end times and mean rewards."""
+def trl_grpo(model: Path, steps: int, out_dir: Path, prompts: list[str], score, lr: float = LR,
+             shuffle: bool = True) -> tuple[list[float], list[float]]:
+    """TRL GRPOTrainer on `prompts` with `score(prompt, completion, completion_ids) -> reward`: HF generate (no
+    vLLM), CPU, fp32, this file's batch shape and loss; returns (each step's mean reward, each step's end time)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -69,13 +71,11 @@ def run_trl(model: Path, steps: int, out_dir: Path) -> dict:
         tokenizer.pad_token = tokenizer.eos_token
     lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     rewards: list[float] = []
-    lengths: list[int] = []
     ends: list[float] = []
 
-    def reward(completions, **kwargs):
-        scores = [digit_frac(c) for c in completions]
+    def reward(prompts, completions, completion_ids, **kwargs):
+        scores = [score(p, c, ids) for p, c, ids in zip(prompts, completions, completion_ids)]
         rewards.append(statistics.fmean(scores))
-        lengths.extend(len(ids) for ids in kwargs["completion_ids"])  # generated tokens, not re-tokenized text
         return scores
 
     class StepClock(TrainerCallback):
@@ -83,14 +83,26 @@ def run_trl(model: Path, steps: int, out_dir: Path) -> dict:
             ends.append(time.perf_counter())
 
     cfg = GRPOConfig(output_dir=str(out_dir), max_steps=steps, per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
-                     num_generations=GROUP, max_completion_length=COMPLETION, temperature=1.0, learning_rate=LR,
+                     num_generations=GROUP, max_completion_length=COMPLETION, temperature=1.0, learning_rate=lr,
                      lr_scheduler_type="constant", beta=0.0, epsilon=CLIP, loss_type="grpo", use_cpu=True, bf16=False,
                      report_to="none", save_strategy="no", logging_steps=10_000, seed=0, disable_tqdm=True,
-                     dataloader_num_workers=0)  # fmt: skip
-    data = Dataset.from_list([{"prompt": p} for p in prompts()])
+                     dataloader_num_workers=0, shuffle_dataset=shuffle)  # fmt: skip
+    data = Dataset.from_list([{"prompt": p} for p in prompts])
     trainer = GRPOTrainer(model=lm, reward_funcs=[reward], args=cfg, train_dataset=data, processing_class=tokenizer,
                           callbacks=[StepClock()])  # fmt: skip
     trainer.train()
+    return rewards, ends
+
+
+def run_trl(model: Path, steps: int, out_dir: Path) -> dict:
+    """This file's TRL side: the digit-share reward on the arithmetic prompts; per-step time and rewards."""
+    lengths: list[int] = []
+
+    def score(prompt: str, completion: str, ids: list[int]) -> float:
+        lengths.append(len(ids))  # generated tokens, not re-tokenized text
+        return digit_frac(completion)
+
+    rewards, ends = trl_grpo(model, steps, out_dir, prompts(), score)
     return {"seconds_per_step": (ends[-1] - ends[0]) / (len(ends) - 1), "steps": len(ends), "rewards": rewards,
             "mean_completion_tokens": statistics.fmean(lengths)}  # fmt: skip
 
@@ -198,14 +210,20 @@ def curve(rewards: list[float]) -> str:
     return " ".join(f"{r:.3f}" for r in rewards)
 
 
-def main() -> None:
+def arguments(steps: int, timeout: float) -> argparse.ArgumentParser:
+    """The options both GRPO benchmarks take (`--trl`: run only the TRL side, in this process)."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=steps)
     ap.add_argument("--model", type=Path, default=ROOT / "build" / "bench" / "model-40m")
     ap.add_argument("--work", type=Path, default=None)
-    ap.add_argument("--timeout", type=float, default=900, help="seconds allowed to the TRL side")
-    ap.add_argument("--concurrent", action="store_true", help="run the TRL side at the same time as ours")
+    ap.add_argument("--timeout", type=float, default=timeout, help="seconds allowed to the TRL side")
     ap.add_argument("--trl", action="store_true", help="run only the TRL side in this process (internal)")
+    return ap
+
+
+def main() -> None:
+    ap = arguments(steps=10, timeout=900)
+    ap.add_argument("--concurrent", action="store_true", help="run the TRL side at the same time as ours")
     args = ap.parse_args()
     if args.trl:
         print(json.dumps(run_trl(args.model, args.steps, args.work / "out-trl")))

@@ -15,7 +15,6 @@ writes build/bench/grpo_reward_curves.png. Not a test.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import random
@@ -28,7 +27,7 @@ import time
 from pathlib import Path
 
 from bench.common import ROOT, free_port, merge_results, python
-from bench.grpo import CLIP, COMPLETION, GROUP, PROMPTS_PER_STEP, SlowStart, finish_trl, load
+from bench.grpo import CLIP, COMPLETION, GROUP, PROMPTS_PER_STEP, SlowStart, arguments, finish_trl, load, trl_grpo
 from bench.training import make_model
 
 PROBLEMS = [(f"{a}+{b}=", str(a + b)) for a, b in itertools.product(range(5), repeat=2)]
@@ -55,39 +54,10 @@ def batches(steps: int, seed: int = 0) -> list[list[str]]:
 
 
 def run_trl(model: Path, steps: int, out_dir: Path) -> dict:
-    """TRL GRPOTrainer from the warm-start checkpoint: HF generate, CPU, fp32; per-step end times and rewards."""
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    rewards: list[float] = []
-    ends: list[float] = []
-
-    def reward(prompts, completions, **kwargs):
-        scores = [answer_reward(c, ANSWERS[p]) for p, c in zip(prompts, completions)]
-        rewards.append(statistics.fmean(scores))
-        return scores
-
-    class StepClock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            ends.append(time.perf_counter())
-
-    cfg = GRPOConfig(output_dir=str(out_dir), max_steps=steps, per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
-                     num_generations=GROUP, max_completion_length=COMPLETION, temperature=1.0, learning_rate=LR,
-                     lr_scheduler_type="constant", beta=0.0, epsilon=CLIP, loss_type="grpo", use_cpu=True, bf16=False,
-                     report_to="none", save_strategy="no", logging_steps=10_000, seed=0, disable_tqdm=True,
-                     dataloader_num_workers=0, shuffle_dataset=False)  # fmt: skip
-    data = Dataset.from_list([{"prompt": p} for batch in batches(steps) for p in batch])
-    trainer = GRPOTrainer(model=lm, reward_funcs=[reward], args=cfg, train_dataset=data, processing_class=tokenizer,
-                          callbacks=[StepClock()])  # fmt: skip
-    trainer.train()
+    """TRL GRPOTrainer from the warm-start checkpoint on the same batches (in order); per-step times and rewards."""
+    plan = [p for batch in batches(steps) for p in batch]
+    rewards, ends = trl_grpo(model, steps, out_dir, plan, lambda p, c, ids: answer_reward(c, ANSWERS[p]), LR,
+                             shuffle=False)
     return {"seconds_per_step": (ends[-1] - ends[0]) / (len(ends) - 1), "rewards": rewards,
             "seconds": [e - ends[0] for e in ends]}  # fmt: skip
 
@@ -174,13 +144,7 @@ def plot(curves: dict[str, dict], steps: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--model", type=Path, default=ROOT / "build" / "bench" / "model-40m")
-    ap.add_argument("--work", type=Path, default=None)
-    ap.add_argument("--timeout", type=float, default=1800, help="seconds allowed to the TRL side")
-    ap.add_argument("--trl", action="store_true", help="run only the TRL side in this process (internal)")
-    args = ap.parse_args()
+    args = arguments(steps=30, timeout=1800).parse_args()
     if args.trl:
         print(json.dumps(run_trl(args.model, args.steps, args.work / "out-trl")))
         return
