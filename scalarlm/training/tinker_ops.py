@@ -78,14 +78,23 @@ def _input(datum: dict[str, Any], name: str, n: int, index: int, default: float 
     return torch.tensor(values, dtype=torch.float32)
 
 
+def loss_inputs(loss_fn: str, datum: dict[str, Any], n: int, index: int) -> dict[str, torch.Tensor]:
+    """The per-token inputs `loss_fn` reads from one datum (checked here, so a bad datum is refused on every rank
+    before any rank computes)."""
+    if loss_fn == "cross_entropy":
+        return {"weights": _input(datum, "weights", n, index, default=1.0)}
+    return {"logprobs": _input(datum, "logprobs", n, index), "advantages": _input(datum, "advantages", n, index)}
+
+
 def elementwise_loss(loss_fn: str, logp: torch.Tensor, datum: dict[str, Any], index: int,
                      config: dict[str, float]) -> torch.Tensor:  # fmt: skip
     """The per-token loss of `loss_fn` for one datum (its sum is the datum's loss)."""
-    n = logp.shape[0]
+    if loss_fn not in LOSS_INPUTS:
+        raise InvalidRequest(f"unknown loss_fn {loss_fn!r}; supported: {', '.join(LOSS_INPUTS)}", param="loss_fn")
+    inputs = {k: v.to(logp.device) for k, v in loss_inputs(loss_fn, datum, logp.shape[0], index).items()}
     if loss_fn == "cross_entropy":
-        return -logp * _input(datum, "weights", n, index, default=1.0)
-    old = _input(datum, "logprobs", n, index)
-    adv = _input(datum, "advantages", n, index)
+        return -logp * inputs["weights"]
+    old, adv = inputs["logprobs"], inputs["advantages"]
     ratio = torch.exp(logp - old)
     if loss_fn == "importance_sampling":
         return -ratio * adv
@@ -94,14 +103,16 @@ def elementwise_loss(loss_fn: str, logp: torch.Tensor, datum: dict[str, Any], in
         return -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
     if loss_fn == "cispo":
         return -ratio.clamp(low, high).detach() * logp * adv
-    if loss_fn == "dro":
-        beta = config.get("beta", 0.05)
-        return -(logp * adv - 0.5 * beta * (logp - old) ** 2)
-    raise InvalidRequest(f"unknown loss_fn {loss_fn!r}; supported: {', '.join(LOSS_INPUTS)}", param="loss_fn")
+    beta = config.get("beta", 0.05)  # dro
+    return -(logp * adv - 0.5 * beta * (logp - old) ** 2)
 
 
 def forward_backward(trainer: "Trainer", request: dict[str, Any], backward: bool) -> dict[str, Any]:
-    """Run every datum; with `backward`, add the gradient of the summed loss to the accumulated gradients."""
+    """Run every datum; with `backward`, add the gradient of the summed loss to the accumulated gradients.
+
+    Under DP each rank runs datums rank, rank + dp, ... (grads are summed over DP ranks at optim_step, as the loss
+    is a sum) and the outputs are gathered back into request order; every rank checks every datum first, so a bad
+    one is refused by all of them alike."""
     loss_fn = request.get("loss_fn", "cross_entropy")
     if loss_fn not in LOSS_INPUTS:
         raise InvalidRequest(f"unknown loss_fn {loss_fn!r}; supported: {', '.join(LOSS_INPUTS)}", param="loss_fn")
@@ -112,21 +123,30 @@ def forward_backward(trainer: "Trainer", request: dict[str, Any], backward: bool
     vocab = trainer.arch.vocab_size
     batches = [_datum_batch(d["tokens"], list(d.get("loss_fn_inputs", {}).get("target_tokens") or []), vocab, i)
                for i, d in enumerate(data)]  # fmt: skip
-    start = time.perf_counter()
-    trainer.ddp.train()
-    outputs, total = [], 0.0
     for i, (datum, batch) in enumerate(zip(data, batches)):
-        batch = batch.to(trainer.par.device)
+        loss_inputs(loss_fn, datum, len(datum["tokens"]), i)
+    start = time.perf_counter()
+    par = trainer.par
+    trainer.ddp.train()
+    mine: list[tuple[int, float, dict[str, Any]]] = []
+    for i in range(par.dp_rank, len(data), par.dp_size):
+        batch = batches[i].to(par.device)
         context = torch.enable_grad() if backward else torch.no_grad()
         # Gradients accumulate over any number of calls: the DP all-reduce waits for optim_step (no_sync here).
         with context, trainer.ddp.no_sync():
             logp = -token_losses(trainer.ddp, batch).float()[0]
-            per_token = elementwise_loss(loss_fn, logp, datum, i, config)
+            per_token = elementwise_loss(loss_fn, logp, data[i], i, config)
             loss = per_token.sum()
             if backward:
                 loss.backward()
-        total += float(loss.detach())
-        outputs.append({"logprobs": logp.detach().cpu().tolist(), "elementwise_loss": per_token.detach().cpu().tolist()})
+        mine.append((i, float(loss.detach()), {"logprobs": logp.detach().cpu().tolist(),
+                                               "elementwise_loss": per_token.detach().cpu().tolist()}))  # fmt: skip
+    if par.dp_size > 1:
+        gathered: list[Any] = [None] * par.dp_size
+        dist.all_gather_object(gathered, mine, group=par.dp_group)
+        mine = sorted((item for part in gathered for item in part), key=lambda item: item[0])
+    total = sum(loss for _, loss, _ in mine)
+    outputs = [output for _, _, output in mine]
     if backward:  # the metrics row of the next optim_step reports the loss its gradients came from
         trainer.tinker_pending = getattr(trainer, "tinker_pending", (0.0, 0))
         trainer.tinker_pending = (trainer.tinker_pending[0] + total, trainer.tinker_pending[1] + len(data))
