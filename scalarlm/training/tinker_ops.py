@@ -78,12 +78,18 @@ def _input(datum: dict[str, Any], name: str, n: int, index: int, default: float 
     return torch.tensor(values, dtype=torch.float32)
 
 
-def loss_inputs(loss_fn: str, datum: dict[str, Any], n: int, index: int) -> dict[str, torch.Tensor]:
+def loss_inputs(loss_fn: str, datum: dict[str, Any], n: int, index: int,
+                config: dict[str, float]) -> dict[str, torch.Tensor]:  # fmt: skip
     """The per-token inputs `loss_fn` reads from one datum (checked here, so a bad datum is refused on every rank
-    before any rank computes)."""
+    before any rank computes). PPO's and CISPO's clip thresholds may be per token (`loss_fn_inputs`
+    `clip_low_threshold` / `clip_high_threshold`, as the SDK names them), else `loss_fn_config`'s, else 0.8 / 1.2."""
     if loss_fn == "cross_entropy":
         return {"weights": _input(datum, "weights", n, index, default=1.0)}
-    return {"logprobs": _input(datum, "logprobs", n, index), "advantages": _input(datum, "advantages", n, index)}
+    inputs = {"logprobs": _input(datum, "logprobs", n, index), "advantages": _input(datum, "advantages", n, index)}
+    if loss_fn in ("ppo", "cispo"):
+        for name, default in (("clip_low_threshold", 0.8), ("clip_high_threshold", 1.2)):
+            inputs[name] = _input(datum, name, n, index, default=config.get(name, default))
+    return inputs
 
 
 def elementwise_loss(loss_fn: str, logp: torch.Tensor, datum: dict[str, Any], index: int,
@@ -91,18 +97,18 @@ def elementwise_loss(loss_fn: str, logp: torch.Tensor, datum: dict[str, Any], in
     """The per-token loss of `loss_fn` for one datum (its sum is the datum's loss)."""
     if loss_fn not in LOSS_INPUTS:
         raise InvalidRequest(f"unknown loss_fn {loss_fn!r}; supported: {', '.join(LOSS_INPUTS)}", param="loss_fn")
-    inputs = {k: v.to(logp.device) for k, v in loss_inputs(loss_fn, datum, logp.shape[0], index).items()}
+    inputs = {k: v.to(logp.device) for k, v in loss_inputs(loss_fn, datum, logp.shape[0], index, config).items()}
     if loss_fn == "cross_entropy":
         return -logp * inputs["weights"]
     old, adv = inputs["logprobs"], inputs["advantages"]
     ratio = torch.exp(logp - old)
     if loss_fn == "importance_sampling":
         return -ratio * adv
-    low, high = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
-    if loss_fn == "ppo":
-        return -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
-    if loss_fn == "cispo":
-        return -ratio.clamp(low, high).detach() * logp * adv
+    if loss_fn in ("ppo", "cispo"):
+        clipped = torch.minimum(torch.maximum(ratio, inputs["clip_low_threshold"]), inputs["clip_high_threshold"])
+        if loss_fn == "ppo":
+            return -torch.minimum(ratio * adv, clipped * adv)
+        return -clipped.detach() * logp * adv
     beta = config.get("beta", 0.05)  # dro
     return -(logp * adv - 0.5 * beta * (logp - old) ** 2)
 
@@ -124,7 +130,7 @@ def forward_backward(trainer: "Trainer", request: dict[str, Any], backward: bool
     batches = [_datum_batch(d["tokens"], list(d.get("loss_fn_inputs", {}).get("target_tokens") or []), vocab, i)
                for i, d in enumerate(data)]  # fmt: skip
     for i, (datum, batch) in enumerate(zip(data, batches)):
-        loss_inputs(loss_fn, datum, len(datum["tokens"]), i)
+        loss_inputs(loss_fn, datum, len(datum["tokens"]), i, config)
     start = time.perf_counter()
     par = trainer.par
     trainer.ddp.train()

@@ -103,6 +103,11 @@ def test_bad_input_is_the_sdks_exceptions(service: Any, server: tuple[str, Path]
         training.forward_backward([_datum([5, 10**6, 3])], "cross_entropy").result()
     with pytest.raises(tinker.TinkerError, match="gspo"):
         training.forward_backward([_datum([5, 6, 3])], "gspo").result()
+    # a loss setting we do not read is refused, not ignored (a misspelt key, a text value)
+    with pytest.raises(tinker.TinkerError, match="'clip_ratio' is not read by 'ppo'"):
+        training.forward_backward([_datum([5, 6, 3])], "ppo", loss_fn_config={"clip_ratio": 0.2}).result()
+    with pytest.raises(tinker.TinkerError, match="must be a finite number"):
+        training.forward_backward([_datum([5, 6, 3])], "cispo", loss_fn_config={"clip_high_threshold": "x"}).result()
     with pytest.raises(tinker.RequestFailedError, match="loss_fn_inputs"):
         training.forward_backward([_datum([5, 6, 3])], "importance_sampling").result()
     # Nothing else is affected: the same training client still trains.

@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 tinker = pytest.importorskip("tinker")
@@ -174,5 +175,26 @@ def test_a_team_key_sees_only_its_own_runs_and_checkpoints(server: tuple[str, Pa
     assert path in checkpoints("a")  # b's delete removed nothing
     assert rest["admin"].get_training_run(run_id).result().model_owner == rest["a"].get_training_run(
         run_id).result().model_owner != "local"
+    # the training and sampling routes too: b cannot read, train, save, load or sample a's run; a and admin can
+    sampler_path = training.save_weights_for_sampler("team-a-sampler").result().path
+    calls = [("get_info", {"model_id": run_id}), ("optim_step", {"model_id": run_id, "adam_params": {}}),
+             ("save_weights", {"model_id": run_id, "path": "b-was-here"}),
+             ("save_weights_for_sampler", {"model_id": run_id, "path": "b-sampler"}),
+             ("load_weights", {"model_id": run_id, "path": path}),
+             ("create_sampling_session", {"model_path": sampler_path, "session_id": "s", "sampling_session_seq_id": 0}),
+             ("asample", {"model_path": sampler_path, "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+                          "num_samples": 1, "sampling_params": {"max_tokens": 1}})]  # fmt: skip
+    for route, body in calls:
+        answer = httpx.post(f"{url}/api/v1/{route}", json=body, headers={"X-API-Key": keys["b"]}, timeout=30)
+        assert answer.status_code == 404, (route, answer.status_code, answer.text)
+        assert "no training client" in answer.text
+    for who in ("a", "admin"):
+        answer = httpx.post(f"{url}/api/v1/get_info", json={"model_id": run_id}, headers={"X-API-Key": keys[who]})
+        assert answer.status_code == 200 and answer.json()["model_id"] == run_id
+    with pytest.raises(tinker.NotFoundError):  # the SDK's own way in: a client of b from a's saved state
+        tinker.ServiceClient(base_url=url, api_key=keys["b"]).create_training_client_from_state(path).result()
+    assert rest["a"].list_checkpoints(run_id).result().checkpoints == [
+        c for c in rest["admin"].list_checkpoints(run_id).result().checkpoints]  # b saved nothing into a's run
+    assert {c.tinker_path for c in rest["a"].list_checkpoints(run_id).result().checkpoints} == {path, sampler_path}
     team_a.close("success").result()
     print(f"per-key listings: {time.monotonic() - start:.1f} s")

@@ -55,3 +55,31 @@ def test_the_logprob_gradient_of_each_loss_equals_its_derivative(loss_fn: str, c
         ratio = np.exp(OFFSETS)
         low, high = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
         assert ((ratio < low) | (ratio > high)).any() and ((ratio >= low) & (ratio <= high)).any()
+
+
+@pytest.mark.parametrize("loss_fn", ["ppo", "cispo"])
+def test_per_token_clip_thresholds_are_read_from_the_datum(loss_fn: str) -> None:
+    """`loss_fn_inputs` clip_low_threshold / clip_high_threshold (the SDK's per-token names) set each token's range;
+    the loss and its gradient equal NumPy's with those arrays, and differ from the single range of loss_fn_config."""
+    rng = np.random.default_rng(1)
+    n = len(OFFSETS)
+    logp_values = -rng.uniform(0.1, 4.0, size=n)
+    old = logp_values - OFFSETS
+    low, high = np.where(np.arange(n) % 2, 0.95, 0.6), np.where(np.arange(n) % 3, 1.05, 1.5)
+    datum = {"loss_fn_inputs": {"logprobs": old.tolist(), "advantages": ADVANTAGES.tolist(),
+                                "clip_low_threshold": low.tolist(), "clip_high_threshold": high.tolist()}}  # fmt: skip
+    config = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}  # overridden by the per-token arrays
+    logp = torch.tensor(logp_values, dtype=torch.float32, requires_grad=True)
+    loss = elementwise_loss(loss_fn, logp, datum, 0, config)
+    loss.sum().backward()
+    ratio = np.exp(OFFSETS)
+    clipped = np.clip(ratio, low, high)
+    expected = (-np.minimum(ratio * ADVANTAGES, clipped * ADVANTAGES) if loss_fn == "ppo"
+                else -clipped * logp_values * ADVANTAGES)  # fmt: skip
+    np.testing.assert_allclose(loss.detach().numpy(), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(logp.grad.numpy(), numpy_grad(loss_fn, logp_values, old, ADVANTAGES, np.ones(n),
+                                                             {"clip_low_threshold": low, "clip_high_threshold": high}),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    single = elementwise_loss(loss_fn, torch.tensor(logp_values, dtype=torch.float32),
+                              {"loss_fn_inputs": {"logprobs": old.tolist(), "advantages": ADVANTAGES.tolist()}}, 0, config)
+    assert not np.allclose(single.numpy(), expected)  # the arrays changed which tokens are clipped

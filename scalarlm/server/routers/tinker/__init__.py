@@ -144,6 +144,11 @@ def viewer(request: Request) -> str | None:
     return None if key is None or "admin" in key.scopes else key.key_id
 
 
+async def mine(request: Request, tinker: TinkerService, model_id: Any) -> None:
+    """The run a training route or a sampler path names must be the caller key's (NotFound otherwise)."""
+    await asyncio.to_thread(runs.check_owner, tinker, model_id, viewer(request))
+
+
 @router.post("/create_model")
 async def create_model(request: Request, body: Body, tinker: Tinker) -> dict[str, Any]:
     model_id = tinker.create_model(_need(body, "base_model"), body.get("lora_config"), body.get("user_metadata"),
@@ -156,8 +161,9 @@ async def create_model(request: Request, body: Body, tinker: Tinker) -> dict[str
 
 
 @router.post("/get_info")
-async def get_info(body: Body, tinker: Tinker) -> dict[str, Any]:
-    return tinker.info(_need(body, "model_id"))
+async def get_info(request: Request, body: Body, tinker: Tinker) -> dict[str, Any]:
+    await mine(request, tinker, _need(body, "model_id"))
+    return tinker.info(body["model_id"])
 
 
 @router.post("/forward_backward")
@@ -165,11 +171,13 @@ async def forward_backward(request: Request, tinker: Tinker) -> dict[str, Any]:
     if request.headers.get("content-encoding"):
         raise InvalidRequest("compressed forward_backward bodies are not accepted (client config says so)")
     decoded = wire.decode_forward_backward(await request.body())
+    await mine(request, tinker, decoded["model_id"])
     return await tinker.forward_backward(decoded)
 
 
 @router.post("/optim_step")
-async def optim_step(body: Body, tinker: Tinker) -> dict[str, Any]:
+async def optim_step(request: Request, body: Body, tinker: Tinker) -> dict[str, Any]:
+    await mine(request, tinker, _need(body, "model_id"))
     adam = body.get("adam_params")
     if adam is None:
         raise InvalidRequest("only Adam is supported: send adam_params", param="optimizer_params")
@@ -177,14 +185,16 @@ async def optim_step(body: Body, tinker: Tinker) -> dict[str, Any]:
 
 
 @router.post("/save_weights_for_sampler")
-async def save_weights_for_sampler(body: Body, tinker: Tinker) -> dict[str, Any]:
+async def save_weights_for_sampler(request: Request, body: Body, tinker: Tinker) -> dict[str, Any]:
+    await mine(request, tinker, _need(body, "model_id"))
     return await tinker.save_for_sampler(_need(body, "model_id"), body.get("path"))
 
 
 @router.post("/save_weights")
-async def save_weights(body: Body, tinker: Tinker) -> dict[str, Any]:
+async def save_weights(request: Request, body: Body, tinker: Tinker) -> dict[str, Any]:
     """save_state(name): weights + optimizer state as tinker://<model>/weights/<name> (ttl_seconds: kept until
     deleted)."""
+    await mine(request, tinker, _need(body, "model_id"))
     return await tinker.save_state(_need(body, "model_id"), _need(body, "path"), bool(body.get("overwrite")),
                                    body.get("user_metadata"))  # fmt: skip
 
@@ -194,10 +204,12 @@ async def load_weights(request: Request, body: Body, tinker: Tinker) -> dict[str
     """load_state[_with_optimizer] into a training client (model_id), or a new client from saved state
     (session_id + model_seq_id: the SDK's create_training_client_from_state[_with_optimizer])."""
     path, optimizer = _need(body, "path"), bool(body.get("optimizer"))
+    await mine(request, tinker, path)
     if body.get("weights_access_token"):
         raise InvalidRequest("weights_access_token is not supported: every run of this server is readable with a "
                              "key that holds the train scope", param="weights_access_token")  # fmt: skip
     if body.get("model_id"):
+        await mine(request, tinker, body["model_id"])
         return await tinker.load_state(body["model_id"], path, optimizer)
     if (body.get("optimizer_config") or {}).get("type", "adamw") != "adamw":
         raise InvalidRequest("only Adam (optimizer_config type 'adamw') is supported", param="optimizer_config")
@@ -238,7 +250,9 @@ async def checkpoints(request: Request, tinker: Tinker, limit: int = 100, offset
 
 
 @router.post("/create_sampling_session")
-async def create_sampling_session(body: Body, tinker: Tinker) -> dict[str, Any]:
+async def create_sampling_session(request: Request, body: Body, tinker: Tinker) -> dict[str, Any]:
+    if body.get("model_path"):
+        await mine(request, tinker, body["model_path"])
     sampler_id = tinker.create_sampling_session(body.get("base_model"), body.get("model_path"))
     return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
@@ -251,6 +265,8 @@ async def get_sampler(sampler_id: str, tinker: Tinker) -> dict[str, Any]:
 
 @router.post("/asample")
 async def asample(request: Request, body: Body, tinker: Tinker) -> dict[str, Any]:
+    if body.get("model_path") and not body.get("sampling_session_id"):
+        await mine(request, tinker, body["model_path"])
     sampler = tinker.sampler(body)
     backend = get_backend(request)
     samples = int(body.get("num_samples") or 1)

@@ -63,6 +63,18 @@ def _run_job(tinker: "TinkerService", run_id: str, viewer: str | None) -> JobDir
     return job
 
 
+def check_owner(tinker: "TinkerService", model_id: Any, viewer: str | None) -> None:
+    """A training route's model id (or a tinker path's run) must be the caller's: another key's run answers NotFound,
+    as in the listings (an admin key or a server without keys reaches every run)."""
+    if viewer is None:
+        return
+    run = tinker.parse_path(model_id, "path").run if str(model_id).startswith("tinker://") else model_id
+    try:
+        _run_job(tinker, run, viewer)
+    except NotFound as e:
+        raise NotFound(f"no training client {model_id!r} on this server", param="model_id") from e
+
+
 def training_run(tinker: "TinkerService", job: JobDir) -> dict[str, Any]:
     """The SDK's TrainingRun of one run."""
     files = TinkerRunDir(job)

@@ -42,7 +42,10 @@ logger = logging.getLogger(__name__)
 MAX_FUTURES = 4096
 RETRIEVE_WAIT_SECONDS = 20.0
 OP_WAIT_SECONDS = 3600.0
-SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+# The losses the trainer computes, with the loss_fn_config keys each reads (Tinker's names; numbers only).
+SUPPORTED_LOSSES: dict[str, tuple[str, ...]] = {
+    "cross_entropy": (), "importance_sampling": (), "ppo": ("clip_low_threshold", "clip_high_threshold"),
+    "cispo": ("clip_low_threshold", "clip_high_threshold"), "dro": ("beta",)}  # fmt: skip
 
 
 @dataclass
@@ -203,6 +206,14 @@ class TinkerService:
         if loss_fn not in SUPPORTED_LOSSES:
             raise InvalidRequest(f"loss_fn {loss_fn!r} is not supported here; supported: "
                                  f"{', '.join(SUPPORTED_LOSSES)}", param="loss_fn")  # fmt: skip
+        for key, value in (request["loss_fn_config"] or {}).items():
+            known = SUPPORTED_LOSSES[loss_fn]
+            if key not in known:
+                raise InvalidRequest(f"loss_fn_config key {key!r} is not read by {loss_fn!r}; it reads "
+                                     f"{', '.join(known) or 'none'}", param="loss_fn_config")  # fmt: skip
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise InvalidRequest(f"loss_fn_config[{key!r}] must be a finite number, not {value!r}",
+                                     param="loss_fn_config")  # fmt: skip
         if not request["data"]:
             raise InvalidRequest("forward_backward needs at least one datum", param="data")
         op = "forward" if request["forward_only"] else "forward_backward"

@@ -66,10 +66,9 @@ def decode_forward_backward(body: bytes) -> dict[str, Any]:
             tokens += np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist()
         inputs = {name: _tensor_values(t, pb, name, i) for name, t in datum.loss_fn_inputs.items()}
         data.append({"tokens": tokens, "loss_fn_inputs": inputs})
-    config: dict[str, float] = {k: v for k, v in msg.loss_fn_config.items()}
+    config: dict[str, float | str] = {k: v for k, v in msg.loss_fn_config.items()}
     for k, v in msg.loss_fn_config_v2.items():
-        if v.WhichOneof("value") == "number":
-            config[k] = v.number
+        config[k] = v.number if v.WhichOneof("value") == "number" else v.text
     return {"model_id": msg.model_id, "seq_id": msg.seq_id, "loss_fn": msg.loss_fn or "cross_entropy",
             "loss_fn_config": config, "forward_only": msg.forward_only, "data": data}  # fmt: skip
 
