@@ -12,6 +12,7 @@ SUITES = [
     ["bench.grpo"],
     ["bench.grpo_learn"],  # 30 steps of a learnable task, sync and async, both reward curves in one PNG
     ["bench.publish_latency"],
+    ["bench.scale_out"],  # split cluster with a worker killed (needs root for namespaces), 1M upload, 1k streams
 ]
 
 if __name__ == "__main__":

@@ -125,8 +125,8 @@ def vllm_serve(model: str, port: int, log: Path) -> Process:
     return Process(argv, f"http://127.0.0.1:{port}/health", log=log)
 
 
-def submit_200k(url: str, pid: int, n: int) -> dict:
-    """Time to accept `n` prompts in one call, server RSS growth, and items not stored."""
+def submit_many(url: str, pid: int, n: int, label: str = "200k") -> dict:
+    """Time to accept `n` prompts in one call, server RSS growth, and items not stored (`submit_<label>_*`)."""
     prompts = [f"p{i}" for i in range(n)]
     before = rss_mb(pid)
     t = time.perf_counter()
@@ -139,7 +139,8 @@ def submit_200k(url: str, pid: int, n: int) -> dict:
     stored = sum(m["queue"].values())
     lost = n - min(stored, len(ids))
     httpx.post(f"{url}/v1/generate/clear_queue", timeout=120)
-    return {"submit_200k_seconds": round(accept, 3), "submit_200k_rss_mb": round(grew, 1), "submit_200k_lost": lost}
+    return {f"submit_{label}_seconds": round(accept, 3), f"submit_{label}_rss_mb": round(grew, 1),
+            f"submit_{label}_lost": lost}
 
 
 def main() -> None:
@@ -159,7 +160,7 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}"
         queued = queued_generate(url)
         ours_openai = asyncio.run(openai_throughput(url, name))
-        figures.update(submit_200k(url, srv.pid, args.big))
+        figures.update(submit_many(url, srv.pid, args.big))
     port = free_port()
     with vllm_serve(model, port, logs / "vllm-serve.log"):
         theirs_openai = asyncio.run(openai_throughput(f"http://127.0.0.1:{port}", name))
