@@ -211,6 +211,13 @@ class TrainingJobs:
 
     # --- reading ----------------------------------------------------------------------------------
 
+    def is_running(self, job_id: str) -> bool:
+        """Whether the job exists and has not ended (what counts against a key's `max_jobs`)."""
+        try:
+            return not self.job(job_id).read_status().terminal
+        except ScalarLMError:  # deleted
+            return False
+
     def job(self, job_id: str) -> JobDir:
         """The job's directory; NotFound for an unknown (or unsafe) id."""
         if not NAME_PATTERN.match(job_id) or ".." in job_id:

@@ -135,3 +135,14 @@ def request_key(request: Request) -> ApiKey | None:
 def request_usage(request: Request) -> KeyUsage:
     """The app's per-key usage record."""
     return request.app.state.usage
+
+
+def check_job_limit(request: Request, is_running: Callable[[str], bool]) -> None:
+    """Per-key limit on concurrent training jobs (fine-tuning jobs, RL sessions, Tinker training clients alike):
+    429 when the request's key already runs its maximum."""
+    request_usage(request).check_jobs(request_key(request), is_running)
+
+
+def count_job(request: Request, job_id: str) -> None:
+    """Count a started job against the request's key."""
+    request_usage(request).add_job(request_key(request), job_id)

@@ -16,6 +16,7 @@ from scalarlm.launcher import LocalLauncher
 from scalarlm.server.app import create_app
 from scalarlm.server.auth import KeyFileError, KeyRing
 from scalarlm.server.jobs import TrainingJobs
+from scalarlm.server.sessions import RLSessions
 
 from security_payloads import LONG_TRAINER, dataset_archive
 
@@ -44,6 +45,7 @@ def keyed(tmp_path: Path, tiny_model_dir: Path) -> Iterator[tuple[TestClient, Se
     trainer.write_text(LONG_TRAINER)
     app = create_app(settings)
     app.state.training = TrainingJobs(settings, {"local": LocalLauncher(settings, entry=[str(trainer)])})
+    app.state.sessions = RLSessions(app.state.training, app.state.sessions.catalog)  # sessions launch it too
     with TestClient(app) as client:
         yield client, settings
 
@@ -164,6 +166,27 @@ def test_max_jobs_answers_429_while_the_key_runs_its_limit(keyed) -> None:
     jid = third.json()["job_status"]["job_id"]
     client.post(f"/v1/megatron/cancel/{jid}", headers=bearer(TRAIN))
     _wait_terminal(client, jid, TRAIN)
+
+
+def test_an_rl_session_counts_against_max_jobs_like_a_training_job(keyed) -> None:
+    """A session is a trainer too (as is a Tinker training client, which is a session): with max_jobs=1 the key's
+    second session, or a training job beside it, answers 429 until the session ends."""
+    client, _ = keyed
+    first = client.post("/v1/train/sessions", json={}, headers=bearer(TRAIN))
+    assert first.status_code == 200, first.text
+    session_id = first.json()["session_id"]
+    second = client.post("/v1/train/sessions", json={}, headers=bearer(TRAIN))
+    assert second.status_code == 429 and "limit is 1" in second.json()["error"]["message"]
+    assert _train(client, TRAIN).status_code == 429
+    other = client.post("/v1/train/sessions", json={}, headers=bearer(FULL))  # another key is not held back
+    assert other.status_code == 200
+    assert client.post(f"/v1/megatron/cancel/{session_id}", headers=bearer(TRAIN)).status_code == 200
+    assert _wait_terminal(client, session_id, TRAIN) == "CANCELLED"
+    again = client.post("/v1/train/sessions", json={}, headers=bearer(TRAIN))
+    assert again.status_code == 200, again.text
+    for sid in (again.json()["session_id"], other.json()["session_id"]):
+        assert client.post(f"/v1/megatron/cancel/{sid}", headers=bearer(FULL)).status_code == 200
+        assert _wait_terminal(client, sid, FULL) == "CANCELLED"
 
 
 def test_per_key_counts_survive_a_restart_of_the_control_plane(keyed, tmp_path) -> None:

@@ -15,6 +15,7 @@ from scalarlm.protocol.training import (
     SessionStepResponse,
     SessionStepState,
 )
+from scalarlm.server.limits import check_job_limit, count_job
 from scalarlm.server.sessions import RLSessions
 
 router = APIRouter(prefix="/v1/train/sessions", tags=["sessions"])
@@ -31,9 +32,13 @@ SessionsDep = Annotated[RLSessions, Depends(get_sessions)]
 
 
 @router.post("", response_model=SessionResponse)
-def create_session(body: SessionCreateRequest, sessions: SessionsDep) -> SessionResponse:
-    """Start an RL session: a trainer that keeps model and optimizer in memory (full weights by default)."""
-    return sessions.create(body)
+def create_session(request: Request, body: SessionCreateRequest, sessions: SessionsDep) -> SessionResponse:
+    """Start an RL session: a trainer that keeps model and optimizer in memory (full weights by default); it counts
+    against the key's `max_jobs` like a training job."""
+    check_job_limit(request, sessions.jobs.is_running)
+    created = sessions.create(body)
+    count_job(request, created.session_id)
+    return created
 
 
 @router.post("/{session_id}/step", response_model=SessionStepResponse)

@@ -24,7 +24,7 @@ from scalarlm.protocol.training import (
 )
 from scalarlm.server.deps import SettingsDep
 from scalarlm.server.jobs import TrainingJobs, parse_train_args
-from scalarlm.server.limits import request_key, request_usage
+from scalarlm.server.limits import check_job_limit, count_job
 from scalarlm.server.training_uploads import UploadSessions
 
 router = APIRouter(prefix="/v1/megatron", tags=["training"])
@@ -46,16 +46,8 @@ JobsDep = Annotated[TrainingJobs, Depends(get_jobs)]
 UploadsDep = Annotated[UploadSessions, Depends(get_uploads)]
 
 
-def _is_running(jobs: TrainingJobs, job_id: str) -> bool:
-    try:
-        return not jobs.job(job_id).read_status().terminal
-    except ScalarLMError:  # deleted
-        return False
-
-
 def _check_job_limit(jobs: TrainingJobs, request: Request) -> None:
-    """Per-key limit on concurrent training jobs: 429 when the key already runs its maximum."""
-    request_usage(request).check_jobs(request_key(request), lambda job_id: _is_running(jobs, job_id))
+    check_job_limit(request, jobs.is_running)
 
 
 def _submit_upload(jobs: TrainingJobs, file: UploadFile, params: str | None, request: Request) -> TrainResponse:
@@ -68,7 +60,7 @@ def _submit_upload(jobs: TrainingJobs, file: UploadFile, params: str | None, req
         response = jobs.submit(spool, params)
     finally:
         spool.unlink(missing_ok=True)
-    request_usage(request).add_job(request_key(request), response.job_status["job_id"])
+    count_job(request, response.job_status["job_id"])
     return response
 
 
@@ -132,7 +124,7 @@ def upload_finalize(
         archive.unlink(missing_ok=True)  # keep the chunks: finalize may be retried
         raise
     uploads.discard(body.upload_id)
-    request_usage(request).add_job(request_key(request), response.job_status["job_id"])
+    count_job(request, response.job_status["job_id"])
     return response
 
 
@@ -171,7 +163,7 @@ def resume(job_id: str, jobs: JobsDep, request: Request) -> dict[str, Any]:
     """Relaunch a FAILED or CANCELLED job from its saved state (409 if it runs or completed); answers its status."""
     _check_job_limit(jobs, request)
     body = jobs.resume(job_id)
-    request_usage(request).add_job(request_key(request), job_id)
+    count_job(request, job_id)
     return body
 
 

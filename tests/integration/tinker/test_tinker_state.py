@@ -198,3 +198,27 @@ def test_a_team_key_sees_only_its_own_runs_and_checkpoints(server: tuple[str, Pa
     assert {c.tinker_path for c in rest["a"].list_checkpoints(run_id).result().checkpoints} == {path, sampler_path}
     team_a.close("success").result()
     print(f"per-key listings: {time.monotonic() - start:.1f} s")
+
+
+def test_a_training_client_counts_against_the_keys_max_jobs(server: tuple[str, Path], keys: dict[str, str]) -> None:
+    """A training client is a trainer: a key with max_jobs=1 gets 429 (with Retry-After) for a second one while the
+    first runs, and may make another once it has ended."""
+    url, limited = server[0], {"X-API-Key": keys["limited"]}
+    base = httpx.get(f"{url}/api/v1/get_server_capabilities", headers=limited).json()["supported_models"][0]
+    body = {"base_model": base["model_name"], "lora_config": {"rank": 4}, "session_id": "s", "model_seq_id": 0}
+    first = httpx.post(f"{url}/api/v1/create_model", json=body, headers=limited, timeout=60)
+    assert first.status_code == 200, first.text
+    model_id = first.json()["model_id"]
+    second = httpx.post(f"{url}/api/v1/create_model", json=body, headers=limited, timeout=60)
+    assert second.status_code == 429 and int(second.headers["Retry-After"]) >= 1
+    assert "limit is 1" in second.text
+    admin = {"Authorization": f"Bearer {keys['admin']}"}
+    assert httpx.post(f"{url}/v1/megatron/cancel/{model_id}", headers=admin, timeout=60).status_code == 200
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{url}/v1/megatron/train/{model_id}", headers=admin).json()["job_status"]["status"] not in (
+            "CANCELLED", "FAILED", "COMPLETED"):  # fmt: skip
+        assert time.monotonic() < deadline, "the cancelled training client did not end"
+        time.sleep(0.5)
+    third = httpx.post(f"{url}/api/v1/create_model", json=body, headers=limited, timeout=60)
+    assert third.status_code == 200, third.text
+    httpx.post(f"{url}/v1/megatron/cancel/{third.json()['model_id']}", headers=admin, timeout=60)

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from scalarlm.protocol.errors import Forbidden, InvalidRequest, Unauthorized
 from scalarlm.server.auth import KeyRing
 from scalarlm.server.deps import get_backend, get_state
+from scalarlm.server.limits import check_job_limit, count_job
 from scalarlm.server.routers.tinker import runs, wire
 from scalarlm.server.routers.tinker.sampling import sample
 from scalarlm.server.routers.tinker.service import TinkerService
@@ -151,8 +152,10 @@ async def mine(request: Request, tinker: TinkerService, model_id: Any) -> None:
 
 @router.post("/create_model")
 async def create_model(request: Request, body: Body, tinker: Tinker) -> dict[str, Any]:
+    check_job_limit(request, tinker.sessions.jobs.is_running)  # a training client is a trainer: max_jobs counts it
     model_id = tinker.create_model(_need(body, "base_model"), body.get("lora_config"), body.get("user_metadata"),
                                    owner(request))  # fmt: skip
+    count_job(request, model_id)
 
     async def created() -> dict[str, Any]:
         return {"type": "create_model", "model_id": model_id}
@@ -214,8 +217,12 @@ async def load_weights(request: Request, body: Body, tinker: Tinker) -> dict[str
     if (body.get("optimizer_config") or {}).get("type", "adamw") != "adamw":
         raise InvalidRequest("only Adam (optimizer_config type 'adamw') is supported", param="optimizer_config")
     alias = f"{_need(body, 'session_id')}:train:{_need(body, 'model_seq_id')}"  # the model id the SDK derives
-    return await tinker.create_from_state(alias, path, optimizer, body.get("base_model"), body.get("user_metadata"),
-                                          owner(request))  # fmt: skip
+    check_job_limit(request, tinker.sessions.jobs.is_running)
+    future = await tinker.create_from_state(alias, path, optimizer, body.get("base_model"), body.get("user_metadata"),
+                                            owner(request))  # fmt: skip
+    if alias in tinker.aliases:
+        count_job(request, tinker.aliases[alias])
+    return future
 
 
 @router.post("/weights_info")
