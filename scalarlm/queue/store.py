@@ -8,6 +8,7 @@ exactly one. Nothing lives only in memory: reopening the file after a crash rest
 from __future__ import annotations
 
 import json
+from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 import logging
 import secrets
 import sqlite3
@@ -85,6 +86,27 @@ class Throughput:
     seconds: float
 
 
+class _PayloadEncoder:
+    """An item's stored payload: its JSON without `model`. A batch's text items share one sampling dict (the batch
+    builder validates a row's settings once), so that part is encoded once and each row adds only its prompt: the
+    same text `json.dumps(body, separators=(",", ":"))` gives, at a fraction of the cost for a 1M-prompt upload."""
+
+    def __init__(self) -> None:
+        self._sampling: Any = None
+        self._sampling_json = ""
+
+    def __call__(self, item: dict[str, Any]) -> str:
+        prompt, sampling = item.get("prompt"), item.get("sampling")
+        if isinstance(prompt, str) and isinstance(sampling, dict) and list(item) in _TEXT_ITEM_KEYS:
+            if sampling is not self._sampling:
+                self._sampling, self._sampling_json = sampling, json.dumps(sampling, separators=(",", ":"))
+            return f'{{"prompt":{encode_basestring_ascii(prompt)},"sampling":{self._sampling_json}}}'
+        return json.dumps({k: v for k, v in item.items() if k != "model"}, separators=(",", ":"))
+
+
+_TEXT_ITEM_KEYS = (["prompt", "sampling"], ["prompt", "sampling", "model"])
+
+
 def request_id_for(batch_id: str, idx: int) -> str:
     """ScalarLM's request id shape: `<batch_id>_<idx:09d>`."""
     return f"{batch_id}_{idx:09d}"
@@ -151,13 +173,12 @@ class RequestQueue:
         now = time.time()
         counter = _Counter()
 
+        encode = _PayloadEncoder()
+
         def rows() -> Iterator[tuple[str, str, int, str, str, float]]:
             for idx, item in enumerate(items):
                 counter.count = idx + 1
-                row_model = item.get("model") or model
-                body = {k: v for k, v in item.items() if k != "model"}
-                payload = json.dumps(body, separators=(",", ":"))
-                yield request_id_for(batch_id, idx), batch_id, idx, row_model, payload, now
+                yield request_id_for(batch_id, idx), batch_id, idx, item.get("model") or model, encode(item), now
 
         with self._transaction() as cur:
             cur.executemany(

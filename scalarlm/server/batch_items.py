@@ -103,8 +103,9 @@ class BatchBuilder:
 
 
 def _settings_key(raw: dict[str, Any]) -> Hashable:
-    """Everything of an upload row but its prompt, as a cache key."""
-    key = tuple(sorted((k, v) for k, v in raw.items() if k != "prompt"))
+    """Everything of an upload row but its prompt, as a cache key (in the row's own key order: SDK rows all share
+    one order; another order only misses the cache)."""
+    key = tuple((k, v) for k, v in raw.items() if k != "prompt")
     try:
         hash(key)
     except TypeError:  # a list value (stop strings): fall back to its JSON text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -239,3 +240,19 @@ def test_a_worker_keeps_to_the_weights_it_holds_until_the_oldest_item_waited_too
     starving = queue.lease(10, "w-a", prefer={"job-a"}, affinity_seconds=0.2)
     assert starving[0].request_id == later.request_ids[0] and {i.model for i in starving} == {"job-b"}
     assert len(b.request_ids) == 2
+
+
+def test_stored_payloads_are_the_items_json_without_model() -> None:
+    """The enqueue fast path (one sampling dict encoded once per batch) stores exactly json.dumps(item - model)."""
+    from scalarlm.queue.store import _PayloadEncoder
+
+    shared = {"max_tokens": 4, "temperature": 0.5, "stop": ["\n", "é"]}
+    items = [{"prompt": p, "sampling": shared, "model": "m"} for p in ("plain", 'q"uote\\', "naïve ✓ 中文", "\n\t\x00")]
+    items += [{"prompt": "own sampling", "sampling": {"max_tokens": 1}},
+              {"messages": [{"role": "user", "content": "hi"}], "sampling": shared, "model": "m"},
+              {"prompt": "after", "sampling": shared}]
+    encode = _PayloadEncoder()
+    for item in items:
+        body = {k: v for k, v in item.items() if k != "model"}
+        assert encode(item) == json.dumps(body, separators=(",", ":"))
+        assert json.loads(encode(item)) == body
