@@ -16,15 +16,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -35,46 +31,17 @@ from bench.serving import serve, vllm_serve
 CLUSTER_HELPERS = ROOT / "tests" / "integration" / "cluster"
 
 
-@contextlib.contextmanager
-def split_cluster(model: Path, root: Path) -> Iterator[object]:
-    """The namespaced API + w1 + w2 (+ client host) of tests/integration/cluster, 5 s leases."""
-    sys.path.insert(0, str(CLUSTER_HELPERS))
-    from cluster_roles import API_KEY, Cluster
-    from netns_hosts import Hosts, shared_home
-
-    (root / "keys.txt").write_text(f"{API_KEY}\n")
-    (root / "api.yaml").write_text("generate:\n  lease_seconds: 5\n")
-    hosts = Hosts.create(["api", "w1", "w2", "client"])
-    cluster = Cluster(hosts=hosts, home=shared_home(root), root=root, model=model)
-    try:
-        for name in ("api", "w1", "w2"):
-            cluster.start(name)
-        cluster.wait_up("api", "w1", "w2")
-        yield cluster
-    finally:
-        for proc in cluster.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in cluster.procs.values():
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        hosts.remove()
-
-
 def split_kill(model: Path, n: int) -> dict:
     """Lost, duplicated and the kill's slowdown for `n` prompts through two namespaced workers."""
     sys.path.insert(0, str(CLUSTER_HELPERS))
-    from cluster_roles import result_of
+    from cluster_roles import result_of, running_cluster
     from netns_hosts import netns_available
 
     reason = netns_available()
     if reason is not None:
         print(f"split cluster: skipped ({reason})")
         return {}
-    with tempfile.TemporaryDirectory() as tmp, split_cluster(model, Path(tmp)) as cluster:
+    with tempfile.TemporaryDirectory() as tmp, running_cluster(model, Path(tmp)) as cluster:
         cluster.client("generate", cluster.api_url, "500")  # warm-up: both engines see every batch shape
         calm = cluster.client("generate", cluster.api_url, str(n))
         before = cluster.completed()

@@ -14,10 +14,11 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from netns_hosts import Hosts
+from netns_hosts import Hosts, shared_home
 
 HERE = Path(__file__).parent
 API_KEY = "cluster-operator-key"
@@ -127,3 +128,29 @@ def descendants(pid: int) -> list[int]:
 def worker_id(pid: int) -> str:
     """The id a worker process reports (inference.worker.default_worker_id: host name and pid)."""
     return f"{socket.gethostname()}-{pid}"
+
+
+@contextlib.contextmanager
+def running_cluster(model: Path, root: Path) -> Iterator[Cluster]:
+    """API, w1 and w2 up on their hosts (plus a client host), 5 s leases, keys from a file under `root`; every role
+    stopped and every namespace removed at the end. Used by the cluster tests and bench/scale_out.py."""
+    (root / "keys.txt").write_text(f"{API_KEY}\n")
+    (root / "api.yaml").write_text("generate:\n  lease_seconds: 5\n")
+    hosts = Hosts.create(["api", "w1", "w2", "client"])
+    cluster = Cluster(hosts=hosts, home=shared_home(root), root=root, model=model)
+    try:
+        for name in ("api", "w1", "w2"):
+            cluster.start(name)
+        cluster.wait_up("api", "w1", "w2")
+        yield cluster
+    finally:
+        for proc in cluster.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in cluster.procs.values():
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        hosts.remove()

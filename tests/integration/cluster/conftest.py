@@ -6,14 +6,12 @@ volume. Leases are short (5 s) so a lost worker's items come back within a test.
 
 from __future__ import annotations
 
-import signal
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster_roles import API_KEY, Cluster
-from netns_hosts import Hosts, netns_available, shared_home
+from cluster_roles import Cluster, running_cluster
+from netns_hosts import netns_available
 
 
 @pytest.fixture(scope="module")
@@ -21,24 +19,5 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     reason = netns_available()
     if reason is not None:
         pytest.skip(f"cannot create network namespaces: {reason}")
-    root = tmp_path_factory.mktemp("cluster")
-    (root / "keys.txt").write_text(f"{API_KEY}\n")
-    (root / "api.yaml").write_text("generate:\n  lease_seconds: 5\n")
-    hosts = Hosts.create(["api", "w1", "w2", "client"])
-    cluster = Cluster(hosts=hosts, home=shared_home(root), root=root, model=tiny_model_dir)
-    try:
-        for name in ("api", "w1", "w2"):
-            cluster.start(name)
-        cluster.wait_up("api", "w1", "w2")
+    with running_cluster(tiny_model_dir, tmp_path_factory.mktemp("cluster")) as cluster:
         yield cluster
-    finally:
-        for proc in cluster.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in cluster.procs.values():
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        hosts.remove()
