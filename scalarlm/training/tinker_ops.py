@@ -97,7 +97,12 @@ def elementwise_loss(loss_fn: str, logp: torch.Tensor, datum: dict[str, Any], in
     """The per-token loss of `loss_fn` for one datum (its sum is the datum's loss)."""
     if loss_fn not in LOSS_INPUTS:
         raise InvalidRequest(f"unknown loss_fn {loss_fn!r}; supported: {', '.join(LOSS_INPUTS)}", param="loss_fn")
-    inputs = {k: v.to(logp.device) for k, v in loss_inputs(loss_fn, datum, logp.shape[0], index, config).items()}
+    return _loss(loss_fn, logp, loss_inputs(loss_fn, datum, logp.shape[0], index, config), config)
+
+
+def _loss(loss_fn: str, logp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float]) -> torch.Tensor:
+    """The per-token loss of `loss_fn` from a datum's checked inputs (`loss_inputs`)."""
+    inputs = {k: v.to(logp.device) for k, v in inputs.items()}
     if loss_fn == "cross_entropy":
         return -logp * inputs["weights"]
     old, adv = inputs["logprobs"], inputs["advantages"]
@@ -129,8 +134,7 @@ def forward_backward(trainer: "Trainer", request: dict[str, Any], backward: bool
     vocab = trainer.arch.vocab_size
     batches = [_datum_batch(d["tokens"], list(d.get("loss_fn_inputs", {}).get("target_tokens") or []), vocab, i)
                for i, d in enumerate(data)]  # fmt: skip
-    for i, (datum, batch) in enumerate(zip(data, batches)):
-        loss_inputs(loss_fn, datum, len(datum["tokens"]), i, config)
+    inputs = [loss_inputs(loss_fn, datum, len(datum["tokens"]), i, config) for i, datum in enumerate(data)]
     start = time.perf_counter()
     par = trainer.par
     trainer.ddp.train()
@@ -141,7 +145,7 @@ def forward_backward(trainer: "Trainer", request: dict[str, Any], backward: bool
         # Gradients accumulate over any number of calls: the DP all-reduce waits for optim_step (no_sync here).
         with context, trainer.ddp.no_sync():
             logp = -token_losses(trainer.ddp, batch).float()[0]
-            per_token = elementwise_loss(loss_fn, logp, data[i], i, config)
+            per_token = _loss(loss_fn, logp, inputs[i], config)
             loss = per_token.sum()
             if backward:
                 loss.backward()

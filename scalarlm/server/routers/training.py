@@ -46,13 +46,9 @@ JobsDep = Annotated[TrainingJobs, Depends(get_jobs)]
 UploadsDep = Annotated[UploadSessions, Depends(get_uploads)]
 
 
-def _check_job_limit(jobs: TrainingJobs, request: Request) -> None:
-    check_job_limit(request, jobs.is_running)
-
-
 def _submit_upload(jobs: TrainingJobs, file: UploadFile, params: str | None, request: Request) -> TrainResponse:
     """Spool the uploaded archive to the home volume, submit it, remove the spool file."""
-    _check_job_limit(jobs, request)
+    check_job_limit(request, jobs.is_running)
     jobs.uploads_dir.mkdir(parents=True, exist_ok=True)
     spool = jobs.uploads_dir / f"single-{secrets.token_hex(8)}"
     try:
@@ -113,7 +109,7 @@ def upload_finalize(
     body: UploadFinalizeRequest, jobs: JobsDep, uploads: UploadsDep, request: Request
 ) -> TrainResponse:
     """Join the chunks, check the archive's hash, and submit it like POST /v1/megatron/train."""
-    _check_job_limit(jobs, request)
+    check_job_limit(request, jobs.is_running)
     archive, session = uploads.assemble(body.upload_id)
     try:
         response = jobs.submit(archive, session.params)
@@ -161,7 +157,7 @@ def cancel(job_id: str, jobs: JobsDep) -> dict[str, Any]:
 @router.post("/resume/{job_id}")
 def resume(job_id: str, jobs: JobsDep, request: Request) -> dict[str, Any]:
     """Relaunch a FAILED or CANCELLED job from its saved state (409 if it runs or completed); answers its status."""
-    _check_job_limit(jobs, request)
+    check_job_limit(request, jobs.is_running)
     body = jobs.resume(job_id)
     count_job(request, job_id)
     return body
