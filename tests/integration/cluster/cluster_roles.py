@@ -14,11 +14,14 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from netns_hosts import Hosts, shared_home
+
+from scalarlm.checkpoint import JobDir
+from scalarlm.protocol.training import JobStatus
 
 HERE = Path(__file__).parent
 API_KEY = "cluster-operator-key"
@@ -62,11 +65,21 @@ class Cluster:
         """SIGKILL role `name` and every process under it (a lost host loses them all: a worker's vLLM EngineCore
         child would otherwise live on, orphaned, holding its memory); its pid."""
         proc = self.procs[name]
-        for pid in [proc.pid, *descendants(proc.pid)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         proc.wait(timeout=30)
         return proc.pid
+
+    def job(self, job_id: str) -> JobDir:
+        """A training job's directory on the shared volume."""
+        return JobDir(self.home / "jobs" / job_id)
+
+    def wait_job(self, job_id: str, until: Callable[[JobStatus], bool], timeout: float = 300.0) -> JobStatus:
+        """Poll the job's status file (as an operator would) until `until(status)`."""
+        deadline = time.monotonic() + timeout
+        while not until(status := self.job(job_id).read_status()):
+            assert time.monotonic() < deadline, f"job {job_id}: {status}\n{self.logs()}"
+            time.sleep(0.5)
+        return status
 
     def client(self, *args: str, background: bool = False) -> subprocess.Popen | dict:
         """Run cluster_client.py on the client host; its RESULT (or the running process when `background`)."""
@@ -108,6 +121,13 @@ def result_of(proc: subprocess.Popen, timeout: float = 900.0) -> dict:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and everything under it, as losing its host would."""
+    for each in [pid, *descendants(pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(each, signal.SIGKILL)
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below `pid` (children first found through /proc's parent ids)."""
     children: dict[int, list[int]] = {}
@@ -132,10 +152,13 @@ def worker_id(pid: int) -> str:
 
 @contextlib.contextmanager
 def running_cluster(model: Path, root: Path) -> Iterator[Cluster]:
-    """API, w1 and w2 up on their hosts (plus a client host), 5 s leases, keys from a file under `root`; every role
+    """API, w1 and w2 up on their hosts (plus a client host), 5 s leases, keys from a file under `root`, trainers run
+    by the API's local launcher (crashed ones resumed once); every role
     stopped and every namespace removed at the end. Used by the cluster tests and bench/scale_out.py."""
     (root / "keys.txt").write_text(f"{API_KEY}\n")
-    (root / "api.yaml").write_text("generate:\n  lease_seconds: 5\n")
+    # Crashed trainers are relaunched from their saved state once, then reported FAILED.
+    (root / "api.yaml").write_text("generate:\n  lease_seconds: 5\n"
+                                   "training:\n  poll_seconds: 1\n  resume: all\n  max_resumes: 1\n")  # fmt: skip
     hosts = Hosts.create(["api", "w1", "w2", "client"])
     cluster = Cluster(hosts=hosts, home=shared_home(root), root=root, model=model)
     try:

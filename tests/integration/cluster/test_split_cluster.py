@@ -4,6 +4,11 @@ Each test pushes a batch (20,000 prompts for the worker kill, 5,000 for the othe
 roles and does one thing a cluster does on a bad day in the middle of it: SIGKILL a worker (its leases expire to the other one; a restarted worker rejoins),
 SIGKILL the API (workers back off and reconnect; the client's result polls resume), or unplug a worker's network
 for a few seconds (it recovers without a restart). Every request id gets exactly one answer, in prompt order.
+
+Trainers run where the chart's API pod runs them without SLURM: under the API's local launcher, on the API's host,
+writing to the shared volume. A job submitted from the client host is served by the remote workers once it ends; a
+trainer lost mid-job (its processes SIGKILLed, as a lost host loses them) is relaunched from its saved state once
+(`training.resume: all`, `max_resumes: 1`), and lost again it ends FAILED with the reason.
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from cluster_roles import Cluster, result_of, worker_id
+from cluster_roles import Cluster, kill_tree, result_of, worker_id
+
+from scalarlm.launcher import read_record
 
 pytestmark = pytest.mark.slow
 
@@ -76,3 +83,38 @@ def test_a_worker_unplugged_for_seconds_recovers_without_a_restart(cluster: Clus
     client, _ = _batch(cluster, AFTER)
     _assert_all_answered_once(result_of(client), AFTER)
     assert cluster.finishers(since).get(worker_id(w2.pid), 0) > 0
+
+
+def test_a_job_trained_through_the_api_is_served_by_the_remote_workers(cluster: Cluster) -> None:
+    job_id = cluster.client("train", cluster.api_url, "6", "6")["job_id"]
+    assert cluster.client("wait-job", cluster.api_url, job_id) == {"status": "COMPLETED", "step": 6}
+    streamed = cluster.client("stream", cluster.api_url, job_id)
+    assert streamed["chunks"] > 1 and streamed["text"] == streamed["whole"]
+    assert streamed["fingerprints"] == [f"scalarlm-{job_id}-v6"]  # a remote worker serves the step-6 weights
+    _assert_all_answered_once(cluster.client("generate", cluster.api_url, "200", job_id), 200)
+
+
+def test_a_trainer_lost_mid_job_resumes_from_its_saved_state_then_fails_with_the_reason(cluster: Cluster) -> None:
+    job_id = cluster.client("train", cluster.api_url, "100000", "2")["job_id"]
+    job = cluster.job(job_id)
+    cluster.wait_job(job_id, lambda s: s.status == "RUNNING" and s.step >= 3)
+    first = read_record(job).pid
+    kill_tree(first)
+
+    resumed = cluster.wait_job(job_id, lambda s: s.resumes == 1)
+    assert "resuming from the state saved at step" in resumed.reason and "SIGKILL" in resumed.reason, resumed
+    saved = int(resumed.reason.split("saved at step ")[1].split(":")[0])
+    lost_at = int(resumed.reason.split("last step ")[1].split()[0])
+    assert 2 <= saved <= lost_at
+    went_on = f"resumed from state at step {saved}"
+    cluster.wait_job(job_id, lambda s: went_on in job.rank_log(0).read_text() and len(job.read_metrics()) > lost_at + 1)
+    assert read_record(job).pid != first
+    # The metrics past the saved state (steps the lost trainer ran again) were replaced, not repeated.
+    steps = [row["step"] for row in job.read_metrics()]
+    assert steps == list(range(1, len(steps) + 1)), steps
+
+    kill_tree(read_record(job).pid)
+    final = cluster.client("wait-job", cluster.api_url, job_id)
+    assert final["status"] == "FAILED", final
+    assert "SIGKILL without a final status; last step" in final["reason"], final
+    assert "not resumed again after 1 resumes" in final["reason"], final
