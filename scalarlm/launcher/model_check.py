@@ -1,7 +1,8 @@
 """Refuse, at submission, a base model the trainer would refuse: same family rules, read without torch.
 
 The control plane calls `check_base_model` before it writes or starts anything, so an unsupported architecture, an
-unknown RoPE type, a tensor no rule maps or a tensor-parallel size that does not split the model is a 400 naming
+unknown RoPE type, a tensor no rule maps or a tensor- or expert-parallel size that does not split the model is a
+400 naming
 the problem instead of a job that fails in the trainer.
 """
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.protocol.training import TrainArgs
-from scalarlm.training.families import check_tensor_parallel, family_of, read_arch
+from scalarlm.training.families import check_tensor_parallel, expert_rank, family_of, read_arch
 from scalarlm.training.families.checkpoint import read_config, tensor_names
 from scalarlm.training.families.spec import lora_targets
 
@@ -29,5 +30,6 @@ def check_base_model(base_model: str, args: TrainArgs) -> None:
     except InvalidRequest as e:
         raise InvalidRequest(f"base model {path.name}: {e.message}", param=e.param or "model") from None
     check_tensor_parallel(arch, args.tensor_parallel_size)
+    expert_rank(arch, 0, args.expert_parallel_size)
     if args.adapter_type == "lora":
         lora_targets(family_of(arch), args.lora_config.target_modules)

@@ -65,6 +65,9 @@ class TrainArgs(BaseModel):
     trust_remote_code: bool = False
     # Ours.
     tensor_parallel_size: int = Field(1, ge=1, le=64)
+    # Mixture-of-experts models: the experts are split over this many ranks (megatron's
+    # expert_model_parallel_size); the ranks of one expert group also split the batch (data parallel).
+    expert_parallel_size: int = Field(1, ge=1, le=64)
     cpu_ranks: int = Field(1, ge=1, le=256, description="ranks when gpus == 0 (CPU/gloo)")
     launcher: Literal["local", "slurm"] | None = None
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
@@ -103,6 +106,9 @@ class TrainArgs(BaseModel):
             raise ValueError(
                 f"tensor_parallel_size {self.tensor_parallel_size} must divide the number of ranks {ranks}"
             )
+        if ranks % (self.tensor_parallel_size * self.expert_parallel_size):
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} x expert_parallel_size "
+                             f"{self.expert_parallel_size} must divide the number of ranks {ranks}")  # fmt: skip
         return self
 
     def _block_length(self) -> None:
@@ -136,6 +142,9 @@ def _refuse_unsupported(args: TrainArgs) -> None:
     if args.distribution_strategy == "ddp" and args.tensor_parallel_size > 1:
         raise ValueError("distribution_strategy 'ddp' is data parallel only; use 'megatron' with "
                          f"tensor_parallel_size {args.tensor_parallel_size}")
+    if args.distribution_strategy == "ddp" and args.expert_parallel_size > 1:
+        raise ValueError("distribution_strategy 'ddp' is data parallel only; use 'megatron' with "
+                         f"expert_parallel_size {args.expert_parallel_size}")
     if args.dtype == "float16":
         raise ValueError("dtype 'float16' is not supported for training (no loss scaling); use 'bfloat16' "
                          "(GPUs), 'float32' or 'auto'")

@@ -1,4 +1,5 @@
-"""Publish the model being trained as an HF checkpoint: gather TP shards, map mcore -> HF, write atomically."""
+"""Publish the model being trained as an HF checkpoint: gather experts and TP shards, map mcore -> HF, write
+atomically."""
 
 from __future__ import annotations
 
@@ -15,23 +16,48 @@ from scalarlm.checkpoint import JobDir, publish_step
 from scalarlm.protocol.training import CheckpointManifest
 from scalarlm.training import hf_io
 from scalarlm.training.convert import mcore_to_hf, tp_kinds
-from scalarlm.training.families import ModelArch
+from scalarlm.training.families import ModelArch, whole_model
 from scalarlm.training.parallel import Parallel
 
 logger = logging.getLogger(__name__)
 
 
-def gather_tp_shards(model: torch.nn.Module, arch: ModelArch, par: Parallel) -> list[dict[str, Tensor]] | None:
-    """Every TP rank's parameters (on CPU), collected on TP rank 0 of DP rank 0; None on other ranks.
+EXPERTS = ".mlp.experts.local_experts."
 
-    Only the first DP replica takes part (the others hold identical weights).
+
+def gather_experts(model: torch.nn.Module, arch: ModelArch, par: Parallel) -> dict[str, Tensor]:
+    """This rank's parameters under the whole model's names: with expert parallelism every rank of an EP group
+    gathers the group's experts (local expert j of EP rank r is expert r * E / EP + j); collective over all ranks."""
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    if par.ep_size == 1:
+        return params
+    out = {name: p for name, p in params.items() if EXPERTS not in name}
+    per_rank = arch.num_experts // par.ep_size
+    for name in sorted(n for n in params if EXPERTS in n):  # the same local names, in the same order, on each rank
+        local = params[name].contiguous()
+        parts = [torch.empty_like(local) for _ in range(par.ep_size)]
+        dist.all_gather(parts, local, group=par.ep_group)
+        head, tail = name.split(EXPERTS)
+        j, rest = tail.split(".", 1)
+        for r, part in enumerate(parts):
+            out[f"{head}{EXPERTS}{r * per_rank + int(j)}.{rest}"] = part
+    return out
+
+
+def gather_tp_shards(model: torch.nn.Module, arch: ModelArch, par: Parallel) -> list[dict[str, Tensor]] | None:
+    """Every TP rank's parameters (on CPU) under the whole model's names, collected on TP rank 0 of DP rank 0;
+    None on other ranks.
+
+    Only the first DP replica takes part in the TP gather (the others hold identical weights); every rank first
+    takes part in the expert gather (an EP group spans DP replicas).
     """
+    params = gather_experts(model, arch, par)
     if par.dp_rank != 0:
         return None
-    params = dict(model.named_parameters())
+    arch = whole_model(arch)
     shards: list[dict[str, Tensor]] = [{} for _ in range(par.tp_size)]
     for name in tp_kinds(arch):
-        local = params[name].detach().contiguous()
+        local = params[name].contiguous()
         if par.tp_size == 1:
             parts = [local]
         else:
@@ -83,7 +109,7 @@ def publish_checkpoint(
     shards = gather_tp_shards(model, arch, par)
     path = None
     if par.is_main and shards is not None:
-        state = keep_source_names(mcore_to_hf(shards, arch), base_model, arch.tied_embeddings)
+        state = keep_source_names(mcore_to_hf(shards, whole_model(arch)), base_model, arch.tied_embeddings)
         dtypes = publish_dtypes(base_model, dtype)
         path = publish(job, manifest, lambda d: hf_io.write_checkpoint(d, state, base_model, base_config, dtypes))
         logger.info("published %s", path)

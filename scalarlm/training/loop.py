@@ -38,6 +38,7 @@ from scalarlm.training.grpo import GroupStream
 from scalarlm.training.rl_step import grpo_step
 from scalarlm.training.losses import sft_loss
 from scalarlm.training.notify import notify_published
+from scalarlm.training.families import expert_rank
 from scalarlm.training.model import build_gpt_model, model_arch
 from scalarlm.training.optim import build_optimizer, wrap_data_parallel
 from scalarlm.training.parallel import Parallel
@@ -62,7 +63,8 @@ class Trainer:
         self.args = args = config.train_args
         self.base = Path(config.base_model)
         self.base_config = hf_io.read_config(self.base)
-        self.arch = model_arch(self.base)
+        # This rank's view of the model: with expert parallelism, its share of the experts (numbered locally).
+        self.arch = expert_rank(model_arch(self.base), par.ep_rank, par.ep_size)
         self.bf16 = par.on_gpu and args.dtype != "float32"
 
         self.tokenizer = tokenizer = AutoTokenizer.from_pretrained(self.base)

@@ -102,6 +102,7 @@ def _moe_config(arch: ModelArch) -> dict:
         "moe_token_dispatcher_type": "allgather",
         "moe_grouped_gemm": False,
         "moe_layer_freq": [int(arch.is_moe(i)) for i in range(arch.num_layers)],
+        "expert_model_parallel_size": arch.expert_shard[1],
     }
 
 
@@ -252,7 +253,36 @@ def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool 
     if arch.rope_linear_factor is not None:
         model.rotary_pos_emb.inv_freq = model.rotary_pos_emb.inv_freq / arch.rope_linear_factor
     adapt(model, arch, torch.bfloat16 if bf16 else torch.float32, _per_document_rope)
+    if arch.expert_shard[1] > 1:
+        for layer in model.decoder.layers:
+            if arch.is_moe(layer.layer_number - 1):
+                _pad_to_the_group(layer.mlp)
     return model
+
+
+def _pad_to_the_group(moe: torch.nn.Module) -> None:
+    """Expert parallelism with the allgather dispatcher needs every rank of the expert group to send as many tokens:
+    a packed micro-batch ([T, 1]) is padded with zero tokens to the group's longest and the output cut back.
+
+    Exact: the padding's outputs are dropped, so it adds no gradient (no load-balancing loss counts it either).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_expert_tensor_and_model_parallel_group()
+    inner = moe.forward
+
+    def forward(hidden_states: Tensor, *args, **kwargs):
+        length = torch.tensor([hidden_states.shape[0]], dtype=torch.int64, device=hidden_states.device)
+        dist.all_reduce(length, op=dist.ReduceOp.MAX, group=group)
+        pad = int(length) - hidden_states.shape[0]
+        if pad == 0:
+            return inner(hidden_states, *args, **kwargs)
+        padded = torch.cat([hidden_states, hidden_states.new_zeros(pad, *hidden_states.shape[1:])])
+        out, bias = inner(padded, *args, **kwargs)
+        return out[: hidden_states.shape[0]], bias
+
+    moe.forward = forward
 
 
 def llama3_inv_freq(arch: ModelArch) -> Tensor:

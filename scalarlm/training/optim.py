@@ -88,20 +88,33 @@ class CpuAdamW:
         self.params = [p for p in ddp_model.parameters() if p.requires_grad]
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-        # Replicated params (norms under TP) count once in the global norm: only TP rank 0 adds theirs.
-        self.norm_params = [p for p in self.params if param_is_not_tensor_parallel_duplicate(p)]
+        # Replicated params (norms under TP) count once in the global norm: only TP rank 0 adds theirs. Experts
+        # under expert parallelism (megatron marks them allreduce=False) differ across the EP group: summed over it.
+        counted = [p for p in self.params if param_is_not_tensor_parallel_duplicate(p)]
+        self.norm_params = [p for p in counted if getattr(p, "allreduce", True)]
+        self.expert_params = [p for p in counted if not getattr(p, "allreduce", True)]
         # The fused CPU kernel (as HF Trainer's default `adamw_torch_fused`): one multithreaded pass per tensor
         # instead of ~10 elementwise ops; its state dict is the same as the for-loop AdamW's.
         self.opt = torch.optim.AdamW(
             _param_groups(ddp_model, args.weight_decay), lr=args.learning_rate, betas=(0.9, 0.999), eps=1e-8, fused=True
         )
 
-    def _grad_norm(self) -> float:
-        """Global L2 norm of the grads: per-tensor fp32 norms (one kernel each), squared and summed in fp64."""
-        grads = [p.grad for p in self.norm_params if p.grad is not None]
+    @staticmethod
+    def _squares(params: list[torch.nn.Parameter]) -> torch.Tensor:
+        """Sum of the squared grad norms: per-tensor fp32 norms (one kernel each), squared and summed in fp64."""
+        grads = [p.grad for p in params if p.grad is not None]
         sq = torch.zeros((), dtype=torch.float64)
         if grads:
             sq += torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
+        return sq
+
+    def _grad_norm(self) -> float:
+        """Global L2 norm of the grads (each expert counted once across the EP group, each shard across TP)."""
+        sq = self._squares(self.norm_params)
+        if self.par.ep_size > 1:
+            experts = self._squares(self.expert_params)
+            dist.all_reduce(experts, group=self.par.ep_group)
+            sq += experts
         if self.par.tp_size > 1:
             dist.all_reduce(sq, group=self.par.tp_group)
         return float(sq.sqrt())

@@ -3,7 +3,8 @@
 Ranks come from Open MPI (`OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK`), from torchrun (`RANK/WORLD_SIZE/LOCAL_RANK`),
 or default to a single rank. The rendezvous address is `MASTER_ADDR/MASTER_PORT` when set; under mpirun without
 them, rank 0 picks its host name and a free port and broadcasts them over MPI. The backend is NCCL on GPUs (RCCL is
-NCCL on ROCm) and gloo on CPU. DP = world size / TP.
+NCCL on ROCm) and gloo on CPU. DP = world size / TP; with expert parallelism EP ranks of the DP dimension split a
+mixture-of-experts model's experts.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ class Parallel:
     dp_rank: int
     tp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
+    # Expert parallelism (MoE): the ranks that split the experts; 1 / the rank alone without it.
+    ep_size: int = 1
+    ep_rank: int = 0
+    ep_group: dist.ProcessGroup | None = None
 
     @property
     def is_main(self) -> bool:
@@ -89,18 +94,20 @@ def set_cpu_threads(env: LaunchEnv) -> int:
 
 
 def init_parallel(env: LaunchEnv, tensor_parallel_size: int, seed: int, timeout_s: float = 1800,
-                  gpu_memory_fraction: float | None = None) -> Parallel:
+                  gpu_memory_fraction: float | None = None, expert_parallel_size: int = 1) -> Parallel:
     """Start torch.distributed and megatron's model-parallel state for this rank.
+
+    `expert_parallel_size`: ranks that split a mixture-of-experts model's experts (megatron's EP groups lie across
+    the data-parallel ranks; the experts keep the dense layers' TP size).
 
     `gpu_memory_fraction`: the share of its GPU this rank may allocate (an embedded node, where vLLM holds the
     rest); None: the whole GPU.
     """
     from megatron.core import parallel_state, tensor_parallel
 
-    if env.world_size % tensor_parallel_size:
-        raise InvalidRequest(
-            f"tensor_parallel_size {tensor_parallel_size} must divide the world size {env.world_size}"
-        )
+    if env.world_size % (tensor_parallel_size * expert_parallel_size):
+        raise InvalidRequest(f"tensor_parallel_size {tensor_parallel_size} x expert_parallel_size "
+                             f"{expert_parallel_size} must divide the world size {env.world_size}")  # fmt: skip
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
@@ -125,6 +132,7 @@ def init_parallel(env: LaunchEnv, tensor_parallel_size: int, seed: int, timeout_
     )
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel_size,
+        expert_model_parallel_size=expert_parallel_size,
         create_gloo_process_groups=on_gpu,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -138,6 +146,9 @@ def init_parallel(env: LaunchEnv, tensor_parallel_size: int, seed: int, timeout_
         dp_rank=parallel_state.get_data_parallel_rank(),
         tp_group=parallel_state.get_tensor_model_parallel_group(),
         dp_group=parallel_state.get_data_parallel_group(),
+        ep_size=parallel_state.get_expert_model_parallel_world_size(),
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        ep_group=parallel_state.get_expert_model_parallel_group() if expert_parallel_size > 1 else None,
     )
 
 

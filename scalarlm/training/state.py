@@ -1,6 +1,6 @@
 """Resume state under `job_dir/state/`: per-rank model shard, optimizer, data cursor and RNG, for exact resume.
 
-Layout: `state/step-<N>/rank-<r>.pt` for every rank, then `state/latest.json` ({"step", "world_size", "tp"}),
+Layout: `state/step-<N>/rank-<r>.pt` for every rank, then `state/latest.json` ({"step", "world_size", "tp", "ep"}),
 written by rank 0 only after every rank has saved, names the newest complete state. Older step folders are
 removed after the pointer moves, so a crash mid-save leaves the previous state intact.
 """
@@ -32,6 +32,7 @@ class SavedState:
     world_size: int
     tp: int
     path: Path
+    ep: int = 1
 
 
 def _rng_state(par: Parallel) -> dict[str, Any]:
@@ -62,7 +63,8 @@ def latest_state(state_dir: Path) -> SavedState | None:
     path = Path(state_dir) / f"step-{meta['step']}"
     if not path.is_dir():
         return None
-    return SavedState(step=int(meta["step"]), world_size=int(meta["world_size"]), tp=int(meta["tp"]), path=path)
+    return SavedState(step=int(meta["step"]), world_size=int(meta["world_size"]), tp=int(meta["tp"]), path=path,
+                      ep=int(meta.get("ep", 1)))  # fmt: skip
 
 
 def save_state(
@@ -89,7 +91,7 @@ def save_state(
     tmp.replace(folder / f"rank-{par.rank}.pt")
     dist.barrier()
     if par.is_main:
-        meta = {"step": step, "world_size": par.world_size, "tp": par.tp_size}
+        meta = {"step": step, "world_size": par.world_size, "tp": par.tp_size, "ep": par.ep_size}
         atomic_write_text(state_dir / "latest.json", json.dumps(meta) + "\n")
         for old in state_dir.glob("step-*"):
             if old != folder:
@@ -100,10 +102,10 @@ def save_state(
 
 def load_state(saved: SavedState, par: Parallel, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
     """Restore this rank's model, optimizer and RNG from `saved`; return the payload (data cursor, counters)."""
-    if saved.world_size != par.world_size or saved.tp != par.tp_size:
+    if (saved.world_size, saved.tp, saved.ep) != (par.world_size, par.tp_size, par.ep_size):
         raise RuntimeError(
-            f"saved state is for {saved.world_size} ranks / TP {saved.tp}; this job runs "
-            f"{par.world_size} ranks / TP {par.tp_size}"
+            f"saved state is for {saved.world_size} ranks / TP {saved.tp} / EP {saved.ep}; this job runs "
+            f"{par.world_size} ranks / TP {par.tp_size} / EP {par.ep_size}"
         )
     payload = torch.load(saved.path / f"rank-{par.rank}.pt", map_location="cpu", weights_only=False)
     params = dict(model.named_parameters())

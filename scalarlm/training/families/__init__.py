@@ -23,8 +23,10 @@ from scalarlm.training.families.spec import (
     Refused,
     Rule,
     check_tensor_parallel,
+    expert_rank,
     hf_tensor_names,
     rules,
+    whole_model,
 )
 from scalarlm.training.families.spec import read_arch as _read_arch
 
@@ -52,8 +54,10 @@ __all__ = [
     "ModelArch",
     "Rule",
     "check_tensor_parallel",
+    "expert_rank",
     "family_of",
     "hf_tensor_names",
     "read_arch",
     "rules",
+    "whole_model",
 ]

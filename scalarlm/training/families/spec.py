@@ -12,7 +12,7 @@ splitting and TP sharding those rules name.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from scalarlm.protocol.errors import InvalidRequest
@@ -75,6 +75,16 @@ class ModelArch:
     moe_norm_topk: bool = True
     moe_layers: tuple[bool, ...] = ()
     expert_names: tuple[str, str, str, str, str] = ()
+    # Expert parallelism: (this rank's index, ranks) in the expert-parallel group. Rank r holds experts
+    # r * E / ranks ... (r + 1) * E / ranks - 1 as its local experts 0, 1, ...; (0, 1): every expert.
+    expert_shard: tuple[int, int] = (0, 1)
+
+    @property
+    def local_experts(self) -> range:
+        """The global indices of the experts this arch's rank holds, in local order."""
+        rank, ranks = self.expert_shard
+        per_rank = self.num_experts // ranks
+        return range(rank * per_rank, (rank + 1) * per_rank)
 
     @property
     def heads_per_group(self) -> int:
@@ -294,11 +304,12 @@ def rules(arch: ModelArch) -> Iterator[Rule]:
 
 def _expert_rules(arch: ModelArch, hf: str, mc: str) -> Iterator[Rule]:
     """One MoE layer: HF's router -> megatron's `mlp.router` (replicated), each expert's gate/up -> its
-    `linear_fc1` ([gate; up]) and down -> `linear_fc2`, in megatron's local-experts layout (SequentialMLP)."""
+    `linear_fc1` ([gate; up]) and down -> `linear_fc2`, in megatron's local-experts layout (SequentialMLP); only the
+    experts of `arch.expert_shard`'s rank, numbered locally."""
     block, router, gate, up, down = arch.expert_names
     yield Rule(mc + "mlp.router.weight", (f"{hf}{block}.{router}.weight",), "replicated")
-    for e in range(arch.num_experts):
-        src, dst = f"{hf}{block}.experts.{e}.", f"{mc}mlp.experts.local_experts.{e}."
+    for local, e in enumerate(arch.local_experts):
+        src, dst = f"{hf}{block}.experts.{e}.", f"{mc}mlp.experts.local_experts.{local}."
         yield Rule(dst + "linear_fc1.weight", (f"{src}{gate}.weight", f"{src}{up}.weight"), "fc1")
         yield Rule(dst + "linear_fc2.weight", (f"{src}{down}.weight",), "dim1")
 
@@ -315,9 +326,11 @@ def tolerated(arch: ModelArch, name: str) -> bool:
 
 
 def check_tensor_names(arch: ModelArch, names: set[str]) -> None:
-    """InvalidRequest naming tensors no rule maps (they would be dropped silently) or that the rules need."""
+    """InvalidRequest naming tensors no rule maps (they would be dropped silently) or that the rules need (of an
+    expert-parallel rank's arch: the checkpoint's tensors of other ranks' experts are not unmapped)."""
     expected = set(hf_tensor_names(arch))
-    unmapped = sorted(n for n in names - expected if not tolerated(arch, n))
+    every = set(hf_tensor_names(whole_model(arch)))
+    unmapped = sorted(n for n in names - every if not tolerated(arch, n))
     if unmapped:
         raise InvalidRequest(
             f"{len(unmapped)} tensor(s) of the {arch.family} checkpoint map to nothing the trainer builds, "
@@ -329,6 +342,25 @@ def check_tensor_names(arch: ModelArch, names: set[str]) -> None:
         raise InvalidRequest(
             f"the {arch.family} checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:4]}", param="model"
         )
+
+
+def expert_rank(arch: ModelArch, rank: int, ranks: int) -> ModelArch:
+    """`arch` as expert-parallel rank `rank` of `ranks` holds it (its share of the experts); InvalidRequest unless
+    the experts split evenly."""
+    if ranks == 1:
+        return arch
+    if not arch.num_experts:
+        raise InvalidRequest(f"expert_parallel_size {ranks} needs a mixture-of-experts model; {arch.family} is dense",
+                             param="train_args")  # fmt: skip
+    if arch.num_experts % ranks:
+        raise InvalidRequest(f"expert_parallel_size {ranks} must divide the model's {arch.num_experts} experts",
+                             param="train_args")  # fmt: skip
+    return replace(arch, expert_shard=(rank, ranks))
+
+
+def whole_model(arch: ModelArch) -> ModelArch:
+    """`arch` with every expert (the inverse of `expert_rank`): the layout of a published checkpoint."""
+    return arch if arch.expert_shard == (0, 1) else replace(arch, expert_shard=(0, 1))
 
 
 def check_tensor_parallel(arch: ModelArch, tp: int) -> None:

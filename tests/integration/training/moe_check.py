@@ -1,13 +1,15 @@
-"""Run by test_moe_parity.py as one plain process (TP=1) or under `mpirun -n 2` (TP=2): `moe_check.py TP MODEL...`.
+"""Run by test_moe_parity.py as one plain process or under `mpirun -n 2` (TP=2 or EP=2): `moe_check.py TP EP MODEL...`.
 
-For each mixture-of-experts HF model directory: builds the megatron model on this rank's TP shard, loads the HF
-weights through the converter, runs one random batch through both megatron and transformers, and prints one JSON
-line (rank 0) with, over every MoE layer,
+For each mixture-of-experts HF model directory: builds the megatron model on this rank's TP shard and share of the
+experts, loads the HF weights through the converter, runs one random batch through both megatron and transformers,
+and prints one JSON line (rank 0) with, over every MoE layer and every rank (at EP=2 each rank runs its own batch,
+so the dispatcher carries each rank's tokens to the other rank's experts and back),
 * `router_logit_diff`: max |router logits (megatron's fp32 gating) - HF's `gate` logits|;
 * `experts_equal`: megatron's routing map selects exactly the experts HF's top-k chose, token by token;
 * `prob_diff`: max |megatron's routing probabilities - HF's top-k weights| (zero off the chosen experts);
 * `layer_diff`: max |MoE block output| difference (megatron's `mlp` vs HF's sparse block);
-* `logit_diff`: max |whole-model logits| difference; `moe_layers`: how many layers were compared.
+* `logit_diff`: max |whole-model logits| difference; `moe_layers`: how many layers were compared;
+* `local_experts`: experts per rank; `read_fraction`: the most any rank read of the checkpoint's bytes.
 """
 
 from __future__ import annotations
@@ -23,15 +25,18 @@ import torch
 def check(model_dir: Path, par) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from scalarlm.training import hf_io
-    from scalarlm.training.convert import hf_to_mcore, mark_tensor_parallel
+    from scalarlm.training.convert import mark_tensor_parallel
+    from scalarlm.training.families import expert_rank
     from scalarlm.training.model import build_gpt_model, model_arch
+    from scalarlm.training.shard_load import load_rank_params
 
-    arch = model_arch(model_dir)
+    arch = expert_rank(model_arch(model_dir), par.ep_rank, par.ep_size)
     model = build_gpt_model(arch, par.tp_size, bf16=False, parallel_output=False)
     params = dict(model.named_parameters())
+    loaded, read = load_rank_params(model_dir, arch, par.tp_rank, par.tp_size)  # only this rank's experts
+    assert set(loaded) == set(params), sorted(set(loaded) ^ set(params))[:4]
     with torch.no_grad():
-        for name, value in hf_to_mcore(hf_io.load_weights(model_dir), arch, par.tp_rank, par.tp_size).items():
+        for name, value in loaded.items():
             params[name].copy_(value)
     mark_tensor_parallel(model, arch)
     model.eval()
@@ -59,7 +64,7 @@ def check(model_dir: Path, par) -> dict:
             lambda m, a, out, i=i: theirs[i].update(logits=out[0], weights=out[1], index=out[2])))  # fmt: skip
         hooks.append(hf_block.register_forward_hook(lambda m, a, out, i=i: theirs[i].update(out=out)))
 
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(par.dp_rank)  # TP ranks share a batch; EP (= DP) ranks each have their own
     ids = torch.randint(0, arch.vocab_size, (2, 24), generator=gen)
     causal = torch.ones(24, 24, dtype=torch.bool).triu(1)[None, None]
     with torch.no_grad():
@@ -83,26 +88,25 @@ def check(model_dir: Path, par) -> dict:
         experts_equal = experts_equal and torch.equal(b_major(o["map"]), hf_map)
         prob_diff = max(prob_diff, (b_major(o["probs"]) - hf_probs).abs().max().item())
         layer_diff = max(layer_diff, (o["out"] - t["out"]).abs().max().item())
-    return {
-        "model": model_dir.name,
-        "tp": par.tp_size,
-        "moe_layers": len(sparse),
-        "router_logit_diff": router_diff,
-        "experts_equal": experts_equal,
-        "prob_diff": prob_diff,
-        "layer_diff": layer_diff,
-        "logit_diff": (our_logits - their_logits).abs().max().item(),
-    }
+    mine = {"router_logit_diff": router_diff, "experts_equal": experts_equal, "prob_diff": prob_diff,
+            "layer_diff": layer_diff, "logit_diff": (our_logits - their_logits).abs().max().item(),
+            "read_fraction": read["bytes_read"] / read["stored_bytes"]}  # fmt: skip
+    every: list = [None] * par.world_size
+    torch.distributed.all_gather_object(every, mine)
+    worst = {key: max(r[key] for r in every) for key in mine if key != "experts_equal"}
+    return {"model": model_dir.name, "tp": par.tp_size, "ep": par.ep_size, "moe_layers": len(sparse),
+            "local_experts": len(arch.local_experts), "experts_equal": all(r["experts_equal"] for r in every),
+            **worst}  # fmt: skip
 
 
 def main() -> int:
     from scalarlm.training.launch_env import launch_env_from
     from scalarlm.training.parallel import init_parallel, shutdown_parallel
 
-    tp = int(sys.argv[1])
-    par = init_parallel(launch_env_from(os.environ), tp, seed=0)
+    tp, ep = int(sys.argv[1]), int(sys.argv[2])
+    par = init_parallel(launch_env_from(os.environ), tp, seed=0, expert_parallel_size=ep)
     try:
-        for model_dir in map(Path, sys.argv[2:]):
+        for model_dir in map(Path, sys.argv[3:]):
             result = check(model_dir, par)
             if par.is_main:
                 print("RESULT " + json.dumps(result), flush=True)

@@ -108,3 +108,37 @@ def test_submission_refuses_lora_on_a_moe_base_model(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequest, match="adapter_type 'lora' is not supported for qwen3_moe") as e:
         check_base_model(str(model), TrainArgs(adapter_type="lora"))
     assert e.value.param == "train_args"
+
+
+def test_expert_parallel_ranks_hold_their_share_of_the_experts_under_local_names() -> None:
+    from scalarlm.training.families import expert_rank, whole_model
+
+    arch = _shape(QWEN3_MOE)
+    every = {r.mcore: r.hf for r in rules(arch)}
+    seen: dict[str, tuple[str, ...]] = {}
+    for rank in range(2):
+        mine = expert_rank(arch, rank, 2)
+        assert list(mine.local_experts) == [2 * rank, 2 * rank + 1] and whole_model(mine) == arch
+        local = {r.mcore: r.hf for r in rules(mine)}
+        assert not [n for n in local if ".local_experts.2." in n or ".local_experts.3." in n]
+        for name, hf in local.items():
+            if ".local_experts." in name:
+                assert f".experts.{2 * rank + int(name.split('.local_experts.')[1].split('.')[0])}." in hf[0]
+                seen[hf[0]] = hf
+            else:
+                assert every[name] == hf  # dense tensors and the router: the same on every rank
+    assert len(seen) == len([n for n, hf in every.items() if ".local_experts." in n])  # every expert, once
+
+
+def test_an_expert_parallel_size_the_model_cannot_take_is_refused_at_submission(tmp_path) -> None:
+    from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS, make_tiny_model
+
+    moe = make_tiny_model(tmp_path / "qwen3-moe", **FAMILY_TINY_MODELS["qwen3-moe"])
+    check_base_model(str(moe), TrainArgs(adapter_type="full", cpu_ranks=2, expert_parallel_size=2))
+    with pytest.raises(InvalidRequest, match="expert_parallel_size 8 must divide the model's 4 experts"):
+        check_base_model(str(moe), TrainArgs(adapter_type="full", cpu_ranks=8, expert_parallel_size=8))
+    dense = make_tiny_model(tmp_path / "dense")
+    with pytest.raises(InvalidRequest, match="expert_parallel_size 2 needs a mixture-of-experts model"):
+        check_base_model(str(dense), TrainArgs(adapter_type="full", cpu_ranks=2, expert_parallel_size=2))
+    with pytest.raises(ValueError, match="x expert_parallel_size 2 must divide the number of ranks 3"):
+        TrainArgs(cpu_ranks=3, expert_parallel_size=2)
