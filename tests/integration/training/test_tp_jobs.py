@@ -143,7 +143,7 @@ def test_tp2_saved_state_resumes_on_the_uninterrupted_curve(sft_tp2: JobDir, roo
     args = {**SFT, **layout}
     job = run_job(root, "sft-tp2-resumed", tiny_model_dir, qa_rows(), ranks, {**args, "max_steps": 2})
     pointer = json.loads((job.state_dir / "latest.json").read_text())
-    assert pointer == {"step": 2, "world_size": 2, "tp": 2}
+    assert pointer == {"step": 2, "world_size": 2, "tp": 2, "ep": 1}
     assert sorted(p.name for p in (job.state_dir / "step-2").iterdir()) == ["rank-0.pt", "rank-1.pt"]
     config = job.read_config()
     job.write_config(config.model_copy(update={"train_args": TrainArgs(**{**args, "max_steps": STEPS})}))
