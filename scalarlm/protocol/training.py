@@ -142,6 +142,10 @@ def _refuse_unsupported(args: TrainArgs) -> None:
     if args.distribution_strategy == "ddp" and args.tensor_parallel_size > 1:
         raise ValueError("distribution_strategy 'ddp' is data parallel only; use 'megatron' with "
                          f"tensor_parallel_size {args.tensor_parallel_size}")
+    if args.expert_parallel_size > 1 and args.loss != "sft":
+        raise ValueError(f"expert_parallel_size > 1 is supported for loss 'sft' only, not {args.loss!r}: RL rows split "
+                         "over the ranks by group, unevenly, and the expert dispatcher needs every rank in every "
+                         "forward; use expert_parallel_size 1 (data and tensor parallelism work for MoE RL)")  # fmt: skip
     if args.distribution_strategy == "ddp" and args.expert_parallel_size > 1:
         raise ValueError("distribution_strategy 'ddp' is data parallel only; use 'megatron' with "
                          f"expert_parallel_size {args.expert_parallel_size}")

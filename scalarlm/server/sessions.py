@@ -65,6 +65,11 @@ class RLSessions:
         if request.model_name is not None:
             params.setdefault("llm_name", request.model_name)
         args = parse_train_args(params, self.jobs.settings.training)
+        if args.expert_parallel_size > 1:
+            # A session's batches split over the ranks by group, unevenly, and the EP dispatcher needs every rank
+            # in every forward.
+            raise InvalidRequest("expert_parallel_size > 1 is not supported for RL sessions (SFT jobs only); use "
+                                 "expert_parallel_size 1 (data and tensor parallelism work)", param="train_args")  # fmt: skip
         base_model = self.jobs.base_model_for(args.llm_name)
         job = JobDir.under(self.jobs.settings.jobs_dir, new_job_id().replace("job-", "session-", 1))
         job.create()
