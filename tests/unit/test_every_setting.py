@@ -116,6 +116,10 @@ EVIDENCE: dict[str, list[str]] = {
         RESOURCES,  # a GPU cluster gives a job one GPU per tensor-parallel rank
         "tests/unit/launcher/test_sbatch_script.py::test_tensor_parallel_group_must_fit_in_a_node",
     ],
+    "TrainArgs.expert_parallel_size": [  # EP=2 trains like one rank; sizes the model cannot take are 400s
+        "tests/integration/training/test_moe_parity.py::test_two_rank_moe_sft_matches_one_rank_and_publishes_the_same_weights",
+        "tests/unit/training/test_moe_family.py::test_an_expert_parallel_size_the_model_cannot_take_is_refused_at_submission",
+    ],
     "TrainArgs.cpu_ranks": [
         "tests/integration/training_api/test_real_training.py::test_two_cpu_ranks_run_under_mpirun",
     ],
