@@ -16,31 +16,30 @@ from scalarlm.checkpoint import JobDir, publish_step
 from scalarlm.protocol.training import CheckpointManifest
 from scalarlm.training import hf_io
 from scalarlm.training.convert import mcore_to_hf, tp_kinds
-from scalarlm.training.families import ModelArch, whole_model
+from scalarlm.training.families import ModelArch, expert_rank, whole_model
+from scalarlm.training.families.spec import LOCAL_EXPERTS
 from scalarlm.training.parallel import Parallel
 
 logger = logging.getLogger(__name__)
 
 
-EXPERTS = ".mlp.experts.local_experts."
-
-
 def gather_experts(model: torch.nn.Module, arch: ModelArch, par: Parallel) -> dict[str, Tensor]:
     """This rank's parameters under the whole model's names: with expert parallelism every rank of an EP group
-    gathers the group's experts (local expert j of EP rank r is expert r * E / EP + j); collective over all ranks."""
+    gathers the group's experts (local expert j of EP rank r is that rank's `local_experts[j]`); collective over
+    all ranks."""
     params = {name: p.detach() for name, p in model.named_parameters()}
     if par.ep_size == 1:
         return params
-    out = {name: p for name, p in params.items() if EXPERTS not in name}
-    per_rank = arch.num_experts // par.ep_size
-    for name in sorted(n for n in params if EXPERTS in n):  # the same local names, in the same order, on each rank
+    out = {name: p for name, p in params.items() if LOCAL_EXPERTS not in name}
+    held = [expert_rank(whole_model(arch), r, par.ep_size).local_experts for r in range(par.ep_size)]
+    for name in sorted(n for n in params if LOCAL_EXPERTS in n):  # the same local names, in order, on each rank
         local = params[name].contiguous()
         parts = [torch.empty_like(local) for _ in range(par.ep_size)]
         dist.all_gather(parts, local, group=par.ep_group)
-        head, tail = name.split(EXPERTS)
+        head, tail = name.split(LOCAL_EXPERTS)
         j, rest = tail.split(".", 1)
         for r, part in enumerate(parts):
-            out[f"{head}{EXPERTS}{r * per_rank + int(j)}.{rest}"] = part
+            out[f"{head}{LOCAL_EXPERTS}{held[r][int(j)]}.{rest}"] = part
     return out
 
 

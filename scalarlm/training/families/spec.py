@@ -21,6 +21,8 @@ Kind = Literal["replicated", "dim0", "dim1", "qkv", "fc1"]
 ROPE_FIELD = "rope_parameters.rope_type"
 # Derived buffers some checkpoints carry; they are recomputed from the config, never trained.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# Megatron's name for a MoE layer's experts (SequentialMLP), numbered per rank: `...mlp.experts.local_experts.{j}.`.
+LOCAL_EXPERTS = "mlp.experts.local_experts."
 
 
 @dataclass(frozen=True)
@@ -309,7 +311,7 @@ def _expert_rules(arch: ModelArch, hf: str, mc: str) -> Iterator[Rule]:
     block, router, gate, up, down = arch.expert_names
     yield Rule(mc + "mlp.router.weight", (f"{hf}{block}.{router}.weight",), "replicated")
     for local, e in enumerate(arch.local_experts):
-        src, dst = f"{hf}{block}.experts.{e}.", f"{mc}mlp.experts.local_experts.{local}."
+        src, dst = f"{hf}{block}.experts.{e}.", f"{mc}{LOCAL_EXPERTS}{local}."
         yield Rule(dst + "linear_fc1.weight", (f"{src}{gate}.weight", f"{src}{up}.weight"), "fc1")
         yield Rule(dst + "linear_fc2.weight", (f"{src}{down}.weight",), "dim1")
 
