@@ -12,7 +12,7 @@ from pathlib import Path
 
 from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.protocol.training import TrainArgs
-from scalarlm.training.families import check_tensor_parallel, expert_rank, family_of, read_arch
+from scalarlm.training.families import check_moe_training, check_tensor_parallel, expert_rank, family_of, read_arch
 from scalarlm.training.families.checkpoint import read_config, tensor_names
 from scalarlm.training.families.spec import lora_targets
 
@@ -31,5 +31,6 @@ def check_base_model(base_model: str, args: TrainArgs) -> None:
         raise InvalidRequest(f"base model {path.name}: {e.message}", param=e.param or "model") from None
     check_tensor_parallel(arch, args.tensor_parallel_size)
     expert_rank(arch, 0, args.expert_parallel_size)
+    check_moe_training(arch, args.tensor_parallel_size, args.moe_aux_loss_coef)
     if args.adapter_type == "lora":
         lora_targets(family_of(arch), args.lora_config.target_modules)

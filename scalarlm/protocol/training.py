@@ -68,6 +68,9 @@ class TrainArgs(BaseModel):
     # Mixture-of-experts models: the experts are split over this many ranks (megatron's
     # expert_model_parallel_size); the ranks of one expert group also split the batch (data parallel).
     expert_parallel_size: int = Field(1, ge=1, le=64)
+    # Mixture-of-experts models: weight of the load-balancing (aux) loss, megatron's per-layer switch loss summed over
+    # the MoE layers (0: off; its value is in the metrics either way).
+    moe_aux_loss_coef: float = Field(0.0, ge=0, le=100)
     cpu_ranks: int = Field(1, ge=1, le=256, description="ranks when gpus == 0 (CPU/gloo)")
     launcher: Literal["local", "slurm"] | None = None
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
@@ -145,7 +148,7 @@ def _refuse_unsupported(args: TrainArgs) -> None:
     if args.expert_parallel_size > 1 and args.loss != "sft":
         raise ValueError(f"expert_parallel_size > 1 is supported for loss 'sft' only, not {args.loss!r}: RL rows split "
                          "over the ranks by group, unevenly, and the expert dispatcher needs every rank in every "
-                         "forward; use expert_parallel_size 1 (data and tensor parallelism work for MoE RL)")  # fmt: skip
+                         "forward; use expert_parallel_size 1 (data parallelism works for MoE RL)")  # fmt: skip
     if args.distribution_strategy == "ddp" and args.expert_parallel_size > 1:
         raise ValueError("distribution_strategy 'ddp' is data parallel only; use 'megatron' with "
                          f"expert_parallel_size {args.expert_parallel_size}")

@@ -69,7 +69,7 @@ class RLSessions:
             # A session's batches split over the ranks by group, unevenly, and the EP dispatcher needs every rank
             # in every forward.
             raise InvalidRequest("expert_parallel_size > 1 is not supported for RL sessions (SFT jobs only); use "
-                                 "expert_parallel_size 1 (data and tensor parallelism work)", param="train_args")  # fmt: skip
+                                 "expert_parallel_size 1 (data parallelism works)", param="train_args")  # fmt: skip
         base_model = self.jobs.base_model_for(args.llm_name)
         job = JobDir.under(self.jobs.settings.jobs_dir, new_job_id().replace("job-", "session-", 1))
         job.create()

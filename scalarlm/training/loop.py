@@ -38,8 +38,9 @@ from scalarlm.training.grpo import GroupStream
 from scalarlm.training.rl_step import grpo_step
 from scalarlm.training.losses import sft_loss
 from scalarlm.training.notify import notify_published
-from scalarlm.training.families import expert_rank
+from scalarlm.training.families import check_moe_training, expert_rank
 from scalarlm.training.model import build_gpt_model, model_arch
+from scalarlm.training.moe_balance import BalanceMeter
 from scalarlm.training.optim import build_optimizer, wrap_data_parallel
 from scalarlm.training.parallel import Parallel
 from scalarlm.training.rows import Row
@@ -65,6 +66,7 @@ class Trainer:
         self.base_config = hf_io.read_config(self.base)
         # This rank's view of the model: with expert parallelism, its share of the experts (numbered locally).
         self.arch = expert_rank(model_arch(self.base), par.ep_rank, par.ep_size)
+        check_moe_training(self.arch, par.tp_size, args.moe_aux_loss_coef)
         self.bf16 = par.on_gpu and args.dtype != "float32"
 
         self.tokenizer = tokenizer = AutoTokenizer.from_pretrained(self.base)
@@ -94,6 +96,8 @@ class Trainer:
             self.ref_model = self._build_model(trained=False).eval()
         # Overlapped grad all-reduce (DP > 1) for every loss: the step driver (step.py) runs all but each step's last
         # micro-batch under no_sync(), and Tinker's forward_backward all of them (its optim_step starts the sync).
+        # Every step's metrics carry the MoE load-balancing loss (dense models: none).
+        self.balance = BalanceMeter(self.model) if self.arch.num_experts else None
         self.ddp = wrap_data_parallel(self.model if not self.bf16 else self._half(self.model), par, overlap=True)
         self.optimizer = build_optimizer(self.ddp, args, par, self.bf16)
         self.step = 0
@@ -112,7 +116,8 @@ class Trainer:
         """The GPTModel shard of this TP rank, loaded from the base HF checkpoint (`trained`: False for the frozen
         KL reference, which runs without autograd and so needs no activation recompute)."""
         recompute = trained and self.args.gradient_checkpointing
-        model = build_gpt_model(self.arch, self.par.tp_size, self.bf16, recompute=recompute)
+        model = build_gpt_model(self.arch, self.par.tp_size, self.bf16, recompute=recompute,
+                                aux_loss_coef=self.args.moe_aux_loss_coef if trained else 0.0)
         # Each rank reads only the slices of the HF tensors its shard holds (no full copy of the model).
         mcore, read = load_rank_params(self.base, self.arch, self.par.tp_rank, self.par.tp_size)
         logger.info("rank %d read %d of %d checkpoint bytes", self.par.rank, read["bytes_read"], read["stored_bytes"])
@@ -236,6 +241,7 @@ class Trainer:
             "epoch": self.stream.epoch if self.stream else 0,
             "tokens_seen": self.tokens_seen,
             "time": time.time(),
+            **result.moe,
         }
 
     def data_report(self) -> dict[str, Any]:

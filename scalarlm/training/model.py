@@ -33,11 +33,12 @@ def model_arch(model_dir: Path) -> ModelArch:
 _ACTIVATIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
 
 
-def transformer_config(arch: ModelArch, tp: int, bf16: bool, recompute: bool = False):
+def transformer_config(arch: ModelArch, tp: int, bf16: bool, recompute: bool = False, aux_loss_coef: float = 0.0):
     """The megatron TransformerConfig for `arch`: fusions off, per-token loss (the SFT loss sums over the batch).
 
     `recompute` (train arg `gradient_checkpointing`): megatron's full activation recompute, one layer at a time:
     each layer keeps only its input and runs its forward again in backward (same gradients, less memory).
+    `aux_loss_coef` (train arg `moe_aux_loss_coef`): the MoE load-balancing loss's weight (`moe_balance`).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -77,16 +78,17 @@ def transformer_config(arch: ModelArch, tp: int, bf16: bool, recompute: bool = F
         recompute_granularity="full" if recompute else None,
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
-        **_moe_config(arch),
+        **_moe_config(arch, aux_loss_coef),
     )
 
 
-def _moe_config(arch: ModelArch) -> dict:
+def _moe_config(arch: ModelArch, aux_loss_coef: float) -> dict:
     """megatron's MoE fields for `arch` (none for a dense model).
 
     Routing as HF's: softmax over every expert and top k, renormalised when `moe_norm_topk` (= top k of the logits
-    and a softmax over those, megatron's `moe_router_pre_softmax=False`), computed in fp32. No token dropping, no
-    load-balancing loss (HF trains without it unless asked), the allgather dispatcher (alltoall needs CUDA streams).
+    and a softmax over those, megatron's `moe_router_pre_softmax=False`), computed in fp32. No token dropping; the
+    load-balancing loss only when `aux_loss_coef` > 0 (HF trains without it unless asked); the allgather dispatcher
+    (alltoall needs CUDA streams).
     """
     if not arch.num_experts:
         return {}
@@ -97,8 +99,8 @@ def _moe_config(arch: ModelArch) -> dict:
         "moe_router_pre_softmax": not arch.moe_norm_topk,
         "moe_router_score_function": "softmax",
         "moe_router_dtype": "fp32",
-        "moe_router_load_balancing_type": "none",
-        "moe_aux_loss_coeff": 0.0,
+        "moe_router_load_balancing_type": "aux_loss" if aux_loss_coef > 0 else "none",
+        "moe_aux_loss_coeff": aux_loss_coef,
         "moe_token_dispatcher_type": "allgather",
         "moe_grouped_gemm": False,
         "moe_layer_freq": [int(arch.is_moe(i)) for i in range(arch.num_layers)],
@@ -213,7 +215,8 @@ def _layer_specs(arch: ModelArch):
     )
 
 
-def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool = True, recompute: bool = False):
+def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool = True, recompute: bool = False,
+                    aux_loss_coef: float = 0.0):
     """A megatron-core GPTModel for `arch` on this rank's TP shard (weights uninitialised: load them next)."""
     from megatron.core.models.gpt import GPTModel
 
@@ -235,7 +238,7 @@ def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool 
 
         router_gemm_without_transformer_engine()
     model = PackedGPTModel(
-        config=transformer_config(arch, tp, bf16, recompute),
+        config=transformer_config(arch, tp, bf16, recompute, aux_loss_coef),
         transformer_layer_spec=_layer_specs(arch),
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
@@ -264,7 +267,8 @@ def _pad_to_the_group(moe: torch.nn.Module) -> None:
     """Expert parallelism with the allgather dispatcher needs every rank of the expert group to send as many tokens:
     a packed micro-batch ([T, 1]) is padded with zero tokens to the group's longest and the output cut back.
 
-    Exact: the padding's outputs are dropped, so it adds no gradient (no load-balancing loss counts it either).
+    Exact: the padding's outputs are dropped, so it adds no gradient, and the padding mask keeps it out of the
+    load-balancing loss.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -276,10 +280,15 @@ def _pad_to_the_group(moe: torch.nn.Module) -> None:
         length = torch.tensor([hidden_states.shape[0]], dtype=torch.int64, device=hidden_states.device)
         dist.all_reduce(length, op=dist.ReduceOp.MAX, group=group)
         pad = int(length) - hidden_states.shape[0]
+        kwargs.pop("padding_mask", None)  # None from megatron's layer: packed micro-batches have no padding
         if pad == 0:
             return inner(hidden_states, *args, **kwargs)
+        seq, batch = hidden_states.shape[:2]
         padded = torch.cat([hidden_states, hidden_states.new_zeros(pad, *hidden_states.shape[1:])])
-        out, bias = inner(padded, *args, **kwargs)
+        # megatron's padding mask: [batch, seq], True on padding (what its router code reads; its docstring says the
+        # opposite)
+        padding = torch.arange(seq + pad, device=padded.device) >= seq
+        out, bias = inner(padded, *args, padding_mask=padding.expand(batch, -1), **kwargs)
         return out[: hidden_states.shape[0]], bias
 
     moe.forward = forward

@@ -89,6 +89,7 @@ def grpo_step(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> dict[str, A
         "tokens_seen": trainer.tokens_seen,
         "time": time.time(),
         **stats,
+        **result.moe,
     }
     if args.kl_coef > 0:
         metrics["kl"] = kl_sum / n_tokens if n_tokens else 0.0

@@ -9,7 +9,9 @@ then one optimizer step. What differs between the losses is only their micro-bat
   step, so every step runs exactly one backward with sync on: a rank with no micro-batch (fewer documents than DP
   ranks) backpropagates a zero through every param instead of running a forward nobody needs.
 * Stats: each loss function returns a fixed-length float64 vector summed over micro-batches and, in one
-  all-reduce, over DP ranks (the loss itself is its first entry).
+  all-reduce, over DP ranks (the loss itself is its first entry). Mixture-of-experts models add the load-balancing
+  loss (`moe_balance`) to that all-reduce; with `moe_aux_loss_coef` > 0 each micro-batch's aux loss is weighted by
+  its share of the step's tokens on every rank (one more all-reduce, of the token count, before the first forward).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import Tensor
 
 from scalarlm.training.data import MicroBatch
 from scalarlm.training.losses import token_losses
+from scalarlm.training.moe_balance import aux_loss_scale
 
 if TYPE_CHECKING:
     from scalarlm.training.loop import Trainer
@@ -43,6 +46,7 @@ class StepResult:
     lr: float
     grad_norm: float
     seconds: float
+    moe: dict[str, float]
 
 
 def overlaps_all_reduce(ddp: torch.nn.Module) -> bool:
@@ -64,20 +68,39 @@ def run_step(trainer: "Trainer", micro_batches: Sequence[MicroBatch], loss_fn: L
     ddp.train()
     trainer.optimizer.zero_grad()
     sums = torch.zeros(n_stats, dtype=torch.float64, device=par.device)
+    balance = trainer.balance
+    if balance is not None and trainer.args.moe_aux_loss_coef > 0:
+        aux_loss_scale(_global_tokens(micro_batches, par))
     last = len(micro_batches) - 1
     for i, micro in enumerate(micro_batches):
         micro = micro.to(par.device)
         with nullcontext() if i == last else ddp.no_sync():  # the last backward starts the all-reduce
-            loss, stats = loss_fn(i, micro, token_losses(ddp, micro))
+            with balance.forward_pass() if balance is not None else nullcontext():
+                token_loss = token_losses(ddp, micro)
+            loss, stats = loss_fn(i, micro, token_loss)
             loss.backward()
         sums += stats.to(sums.device, torch.float64)
     if not micro_batches and overlaps_all_reduce(ddp):
         _zero_backward(ddp)
     lr, grad_norm = trainer.optimizer_step()
+    if balance is not None:
+        sums = torch.cat([sums, balance.take().to(sums.device)])
     if par.dp_size > 1:
         dist.all_reduce(sums, group=par.dp_group)
     trainer.step += 1
-    return StepResult(sums, lr, grad_norm, time.perf_counter() - start)
+    moe = {}
+    if balance is not None:
+        sums, (weighted, tokens) = sums[:n_stats], sums[n_stats:].tolist()
+        moe["moe_load_balancing_loss"] = weighted / tokens if tokens else 0.0
+    return StepResult(sums, lr, grad_norm, time.perf_counter() - start, moe)
+
+
+def _global_tokens(micro_batches: Sequence[MicroBatch], par) -> int:
+    """Tokens in this step's micro-batches on every DP rank."""
+    count = torch.tensor([sum(m.tokens.numel() for m in micro_batches)], dtype=torch.int64, device=par.device)
+    if par.dp_size > 1:
+        dist.all_reduce(count, group=par.dp_group)
+    return int(count)
 
 
 def start_accumulated_sync(ddp: torch.nn.Module) -> None:

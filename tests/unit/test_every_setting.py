@@ -120,6 +120,11 @@ EVIDENCE: dict[str, list[str]] = {
         "tests/integration/training/test_moe_parity.py::test_two_rank_moe_sft_matches_one_rank_and_publishes_the_same_weights",
         "tests/unit/training/test_moe_family.py::test_an_expert_parallel_size_the_model_cannot_take_is_refused_at_submission",
     ],
+    "TrainArgs.moe_aux_loss_coef": [  # metric = NumPy, gradient = the objective, EP=2 = DP=2; dense models: 400
+        "tests/integration/training/test_moe_parity.py::test_load_balancing_loss_equals_numpy_and_its_gradient_the_written_out_objective",
+        "tests/integration/training/test_moe_parity.py::test_aux_loss_trains_the_same_at_ep2_as_at_dp2_and_is_reported",
+        "tests/unit/training/test_moe_family.py::test_moe_settings_the_trainer_cannot_honour_are_refused_at_submission",
+    ],
     "TrainArgs.cpu_ranks": [
         "tests/integration/training_api/test_real_training.py::test_two_cpu_ranks_run_under_mpirun",
     ],

@@ -13,7 +13,8 @@ the renormalised case; `True` (softmax first, top k) the other. Qwen3-MoE's dens
 
 Refused: Mixtral's `router_jitter_noise` (HF scales the hidden states fed to router and experts, megatron's jitter
 only the router's input), shared experts and LoRA (no per-expert adapter rule yet). The load-balancing loss is off
-(coefficient 0), as in HF training unless `output_router_logits` is set.
+unless the train arg `moe_aux_loss_coef` is set (HF: unless `output_router_logits`); its value is always in the
+metrics (`training/moe_balance.py`).
 """
 
 from __future__ import annotations

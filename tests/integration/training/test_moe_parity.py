@@ -147,3 +147,46 @@ def test_two_rank_moe_sft_matches_one_rank_and_publishes_the_same_weights(moe_mo
     worst = max((published[n] - expected[n]).abs().max().item() for n in expected)
     assert worst <= WEIGHT_TOLERANCE, (layout, worst)
     print(f"{layout}: max weight difference {worst:.2e}")
+
+
+def test_load_balancing_loss_equals_numpy_and_its_gradient_the_written_out_objective(moe_models: dict[str, Path]) -> None:
+    """moe_aux_check.py on every MoE tiny model: the metric equals NumPy's loss from transformers' router logits; the
+    gradient of megatron's aux loss (as the step driver weighs it) equals autograd of the objective written out."""
+    proc = subprocess.run([sys.executable, str(HERE / "moe_aux_check.py"), *map(str, moe_models.values())],
+                          env=mpi_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert sorted(r["model"] for r in rows) == MOE_MODELS
+    for r in rows:
+        assert r["tokens"] == 40 and abs(r["metric"] - r["numpy"]) <= TOLERANCE, r
+        assert r["aux_grad"] > 1e-3, r  # the aux loss moves the gradient ...
+        assert r["grad_diff"] <= 1e-6, r  # ... exactly as the written-out objective does
+
+
+AUX = dict(MOE_SFT, cpu_ranks=2, batch_size=2, moe_aux_loss_coef=0.1)
+
+
+@pytest.mark.slow
+def test_aux_loss_trains_the_same_at_ep2_as_at_dp2_and_is_reported(moe_models: dict[str, Path], moe_sft_ref,
+                                                                   tmp_path: Path) -> None:  # fmt: skip
+    """`moe_aux_loss_coef` in real 2-rank trainers: the EP=2 run (tokens dispatched across ranks, its padding masked
+    out of the loss) follows the DP=2 run's curve, grad norm and load-balancing loss; the aux term changes the
+    gradient (not the reported cross-entropy) against the coefficient-0 reference, which reports the metric too."""
+    from trainer_jobs import make_job, qa_rows, run_trainer, trainer_output
+
+    require_mpirun()
+    runs = {}
+    for name, extra in (("dp2", {}), ("ep2", {"expert_parallel_size": 2})):
+        job = make_job(tmp_path, f"aux-{name}", moe_models["qwen3-moe"], qa_rows(), **AUX, **extra)
+        assert run_trainer(job, 2, timeout=600) == 0, trainer_output(job)[-3000:]
+        runs[name] = job.read_metrics()
+    dp, ep, ref = runs["dp2"], runs["ep2"], moe_sft_ref.read_metrics()
+    assert [r["step"] for r in ep] == [r["step"] for r in dp] == [1, 2, 3, 4]
+    for a, b in zip(ep, dp):
+        for key in ("loss", "grad_norm", "moe_load_balancing_loss"):
+            assert abs(a[key] - b[key]) <= CURVE_TOLERANCE * max(1.0, abs(b[key])), (key, ep, dp)
+    assert abs(dp[0]["loss"] - ref[0]["loss"]) <= CURVE_TOLERANCE, (dp[0], ref[0])  # same weights, same tokens
+    assert abs(dp[0]["grad_norm"] - ref[0]["grad_norm"]) > 1e-3 * ref[0]["grad_norm"], (dp[0], ref[0])
+    assert all(r["moe_load_balancing_loss"] > 0 for r in ref + dp)
+    print("load balancing (coef 0 / 0.1):", [round(r["moe_load_balancing_loss"], 4) for r in ref],
+          [round(r["moe_load_balancing_loss"], 4) for r in dp])

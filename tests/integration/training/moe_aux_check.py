@@ -1,0 +1,126 @@
+"""Run by test_moe_aux_loss.py as one plain process: `moe_aux_check.py MODEL...`.
+
+For each mixture-of-experts HF model directory, on one random batch [1, 40] in training mode, prints one JSON line:
+* `metric`: `moe_balance.BalanceMeter`'s load-balancing loss (the value a step's metrics report);
+* `numpy`: the same loss computed in NumPy from transformers' own router logits (`output_router_logits`), per
+  MoE layer `E * sum_i f_i P_i` and the mean over layers;
+* `grad_diff`: max |grad| difference between megatron's aux loss (`moe_aux_loss_coef` = COEF, weighted by
+  `aux_loss_scale`) and autograd of the explicit objective `ce_sum / T + COEF * sum over layers of the loss`;
+* `aux_grad`: max |grad| difference that the aux loss makes (how far it moves the router's gradient at all).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+COEF = 0.05
+SEQ = 40
+
+
+def numpy_balance(router_logits: list[np.ndarray], topk: int) -> float:
+    losses = []
+    for logits in router_logits:
+        z = logits - logits.max(axis=1, keepdims=True)
+        scores = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
+        chosen = np.zeros_like(scores)
+        np.put_along_axis(chosen, np.argsort(-scores, axis=1)[:, :topk], 1.0, axis=1)
+        tokens, experts = scores.shape
+        losses.append(experts * float((chosen.sum(0) / (tokens * topk) * scores.mean(0)).sum()))
+    return float(np.mean(losses))
+
+
+def build(model_dir: Path, arch, coef: float):
+    from scalarlm.training.convert import mark_tensor_parallel
+    from scalarlm.training.model import build_gpt_model
+    from scalarlm.training.shard_load import load_rank_params
+
+    model = build_gpt_model(arch, 1, bf16=False, aux_loss_coef=coef)
+    params = dict(model.named_parameters())
+    loaded, _ = load_rank_params(model_dir, arch, 0, 1)
+    with torch.no_grad():
+        for name, value in loaded.items():
+            params[name].copy_(value)
+    mark_tensor_parallel(model, arch)
+    return model.train()
+
+
+def check(model_dir: Path) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from scalarlm.training.model import model_arch
+    from scalarlm.training.moe_balance import BalanceMeter, aux_loss_scale, load_balancing_loss
+
+    arch = model_arch(model_dir)
+    ids = torch.randint(0, arch.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(3))
+    labels = torch.roll(ids, -1, dims=1)
+    positions = torch.arange(SEQ)[None]
+    causal = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
+
+    # megatron's aux loss, weighted as the step driver weighs a step of SEQ tokens.
+    with_aux = build(model_dir, arch, COEF)
+    meter = BalanceMeter(with_aux)
+    aux_loss_scale(SEQ)
+    with meter.forward_pass():
+        ce = with_aux(ids, positions, causal, labels=labels)
+    (ce.sum() / SEQ).backward()
+    metric_sum, tokens = meter.take().tolist()
+
+    # The reference objective, written out: the same model without megatron's aux loss, plus the loss of each
+    # router's logits (captured with their graph).
+    plain = build(model_dir, arch, 0.0)
+    logits = []
+    for layer in plain.decoder.layers:
+        router = getattr(layer.mlp, "router", None)
+        if router is None:
+            continue
+        gating = router.gating
+
+        def record(x, gating=gating):
+            logits.append(gating(x))
+            return logits[-1]
+
+        router.gating = record
+    ce_plain = plain(ids, positions, causal, labels=labels)
+    aux = sum(load_balancing_loss(x.reshape(-1, x.shape[-1]), arch.moe_topk) for x in logits)
+    (ce_plain.sum() / SEQ + COEF * aux).backward()
+    no_aux = build(model_dir, arch, 0.0)
+    (no_aux(ids, positions, causal, labels=labels).sum() / SEQ).backward()
+
+    def grads(model):
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    a, b, c = grads(with_aux), grads(plain), grads(no_aux)
+    grad_diff = max((a[n] - b[n]).abs().max().item() for n in a)
+    aux_grad = max((a[n] - c[n]).abs().max().item() for n in a)
+
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = ref(ids, output_router_logits=True)
+    sparse = [i for i in range(arch.num_layers) if arch.is_moe(i)]
+    hf_logits = [out.router_logits[j].float().numpy() for j in range(len(out.router_logits))]
+    assert len(hf_logits) == len(sparse), (len(hf_logits), sparse)
+    return {"model": model_dir.name, "metric": metric_sum / tokens, "tokens": tokens,
+            "numpy": numpy_balance(hf_logits, arch.moe_topk), "grad_diff": grad_diff, "aux_grad": aux_grad}  # fmt: skip
+
+
+def main() -> int:
+    from scalarlm.training.launch_env import launch_env_from
+    from scalarlm.training.parallel import init_parallel, shutdown_parallel
+
+    init_parallel(launch_env_from(os.environ), 1, seed=0)
+    try:
+        for model_dir in map(Path, sys.argv[1:]):
+            print("RESULT " + json.dumps(check(model_dir)), flush=True)
+    finally:
+        shutdown_parallel()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
