@@ -147,8 +147,9 @@ def run_baseline(kind: str, model: Path, steps: int, out_dir: Path) -> dict:
 # --- ours: `python -m scalarlm.training <job_dir>` (or under mpirun, as the LocalLauncher starts it) ---
 
 
-def ours(model: Path, steps: int, work: Path, ranks: int, threads: int | None, log_name: str) -> dict:
-    """Run our trainer on the same rows; throughput from its metrics.jsonl (per-step end time and token count)."""
+def ours(model: Path, steps: int, work: Path, ranks: int, threads: int | None, log_name: str, **train_args) -> dict:
+    """Run our trainer on the same rows; throughput from its metrics.jsonl (per-step end time and token count).
+    `train_args` are added to the benchmark's (e.g. `expert_parallel_size`)."""
     from scalarlm.checkpoint import JobDir
     from scalarlm.protocol.training import TrainArgs, TrainJobConfig
 
@@ -156,7 +157,7 @@ def ours(model: Path, steps: int, work: Path, ranks: int, threads: int | None, l
     job.create()
     args = TrainArgs(max_steps=steps, batch_size=BATCH // ranks, max_seq_len=SEQ_LEN, learning_rate=LR,
                      lr_schedule="cosine", adapter_type="full", dtype="float32", steps_per_checkpoint=steps,
-                     cpu_ranks=ranks, seed=0)  # fmt: skip
+                     cpu_ranks=ranks, seed=0, **train_args)  # fmt: skip
     job.write_config(TrainJobConfig(job_id=log_name, base_model=str(model), train_args=args))
     job.dataset_path.write_text("".join(json.dumps(r) + "\n" for r in make_rows()))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1"}
