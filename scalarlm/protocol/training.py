@@ -85,6 +85,11 @@ class TrainArgs(BaseModel):
     steps_per_publish: int | None = Field(None, ge=1)
     loss: Literal["sft", "grpo", "dr_grpo"] = "sft"
     kl_coef: float = Field(0.0, ge=0)
+    # GRPO jobs: optimizer steps over each batch of groups (TRL's num_iterations, the paper's mu). The later steps'
+    # ratio compares with the first step's logprobs where a row has no sampling logprobs.
+    num_iterations: int = Field(1, ge=1, le=64)
+    # Mixture-of-experts GRPO with num_iterations > 1: the later steps reuse the experts the first step chose.
+    routing_replay: bool = False
     clip_eps: float = Field(0.2, gt=0)
     # Published full-weight checkpoints: "source" keeps each tensor's dtype of the base checkpoint.
     publish_dtype: Literal["source", "float32", "bfloat16", "float16"] = "source"
@@ -149,6 +154,13 @@ def _refuse_unsupported(args: TrainArgs) -> None:
         raise ValueError(f"expert_parallel_size > 1 is supported for loss 'sft' only, not {args.loss!r}: RL rows split "
                          "over the ranks by group, unevenly, and the expert dispatcher needs every rank in every "
                          "forward; use expert_parallel_size 1 (data parallelism works for MoE RL)")  # fmt: skip
+    if args.loss == "sft" and (args.num_iterations > 1 or args.routing_replay):
+        raise ValueError("num_iterations and routing_replay are GRPO settings (loss 'grpo' or 'dr_grpo'); SFT takes one "
+                         "optimizer step per batch")
+    if args.routing_replay and args.num_iterations == 1:
+        raise ValueError("routing_replay reuses a batch's first-step expert choices in its later steps: set "
+                         "num_iterations > 1 (the sampler's own choices are not available: vLLM returns them only "
+                         "from its GPU model runner)")
     if args.distribution_strategy == "ddp" and args.expert_parallel_size > 1:
         raise ValueError("distribution_strategy 'ddp' is data parallel only; use 'megatron' with "
                          f"expert_parallel_size {args.expert_parallel_size}")

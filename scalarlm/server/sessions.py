@@ -70,6 +70,9 @@ class RLSessions:
             # in every forward.
             raise InvalidRequest("expert_parallel_size > 1 is not supported for RL sessions (SFT jobs only); use "
                                  "expert_parallel_size 1 (data parallelism works)", param="train_args")  # fmt: skip
+        if args.num_iterations > 1:
+            raise InvalidRequest("num_iterations > 1 is not supported for RL sessions: each step request is one "
+                                 "optimizer step; send the batch again for another", param="train_args")  # fmt: skip
         base_model = self.jobs.base_model_for(args.llm_name)
         job = JobDir.under(self.jobs.settings.jobs_dir, new_job_id().replace("job-", "session-", 1))
         job.create()

@@ -212,9 +212,13 @@ def grpo_objective(
     clip_eps: float,
     kl_coef: float = 0.0,
     ref_logp: Tensor | None = None,
+    first_logp: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The weighted sum of the per-token clipped objective (+ KL) and summed token stats (clipped, kl)."""
-    old = torch.where(has_old > 0, old_logp, logp.detach())
+    """The weighted sum of the per-token clipped objective (+ KL) and summed token stats (clipped, kl).
+
+    Tokens without a sampling logprob compare with `first_logp` (the batch's first step, in its later steps), else
+    with the policy itself (ratio 1)."""
+    old = torch.where(has_old > 0, old_logp, logp.detach() if first_logp is None else first_logp)
     ratio = torch.exp(logp - old)
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
     per_token = -torch.min(ratio * adv, clipped * adv)

@@ -35,12 +35,13 @@ from scalarlm.training import lora
 from scalarlm.training.data import BlockStream, DataStats, MicroBatch, StepBatch, encode_rows, step_batch
 from scalarlm.training.export import publish_checkpoint
 from scalarlm.training.grpo import GroupStream
-from scalarlm.training.rl_step import grpo_step
+from scalarlm.training.rl_step import RLBatch, grpo_step, rl_batch
 from scalarlm.training.losses import sft_loss
 from scalarlm.training.notify import notify_published
 from scalarlm.training.families import check_moe_training, expert_rank
 from scalarlm.training.model import build_gpt_model, model_arch
 from scalarlm.training.moe_balance import BalanceMeter
+from scalarlm.training.moe_replay import RoutingReplay
 from scalarlm.training.optim import build_optimizer, wrap_data_parallel
 from scalarlm.training.parallel import Parallel
 from scalarlm.training.rows import Row
@@ -66,7 +67,7 @@ class Trainer:
         self.base_config = hf_io.read_config(self.base)
         # This rank's view of the model: with expert parallelism, its share of the experts (numbered locally).
         self.arch = expert_rank(model_arch(self.base), par.ep_rank, par.ep_size)
-        check_moe_training(self.arch, par.tp_size, args.moe_aux_loss_coef)
+        check_moe_training(self.arch, par.tp_size, args.moe_aux_loss_coef, args.routing_replay)
         self.bf16 = par.on_gpu and args.dtype != "float32"
 
         self.tokenizer = tokenizer = AutoTokenizer.from_pretrained(self.base)
@@ -96,8 +97,14 @@ class Trainer:
             self.ref_model = self._build_model(trained=False).eval()
         # Overlapped grad all-reduce (DP > 1) for every loss: the step driver (step.py) runs all but each step's last
         # micro-batch under no_sync(), and Tinker's forward_backward all of them (its optim_step starts the sync).
-        # Every step's metrics carry the MoE load-balancing loss (dense models: none).
+        # Every step's metrics carry the MoE load-balancing loss (dense models: none); GRPO over several steps per
+        # batch records the first step's expert choices (and replays them with `routing_replay`).
         self.balance = BalanceMeter(self.model) if self.arch.num_experts else None
+        self.routing = None
+        if self.arch.num_experts and args.num_iterations > 1:
+            self.routing = RoutingReplay(self.model, args.routing_replay)
+        self.rl_batch: RLBatch | None = None
+        self.batch_start: dict[str, int] = {}  # the group stream's state before the current batch
         self.ddp = wrap_data_parallel(self.model if not self.bf16 else self._half(self.model), par, overlap=True)
         self.optimizer = build_optimizer(self.ddp, args, par, self.bf16)
         self.step = 0
@@ -153,7 +160,10 @@ class Trainer:
         """Collectively save resume state after `self.step` completed steps."""
         self.finish_publishing()  # a saved state's step has its durable checkpoint
         data = self.stream or self.groups
-        extra = {"data": data.state_dict() if data else {}, "tokens_seen": self.tokens_seen}
+        state = data.state_dict() if data else {}
+        if self.groups is not None and self.step % self.args.num_iterations:
+            state = self.batch_start  # inside a batch's iterations: resume takes the batch again
+        extra = {"data": state, "tokens_seen": self.tokens_seen}
         save_state(self.job.state_dir, self.step, self.par, self.model, self.optimizer, extra)
 
     def publish(self, loss: float | None) -> None:
@@ -199,7 +209,11 @@ class Trainer:
         """One optimizer step over the next global batch; returns its metrics row."""
         args, par = self.args, self.par
         if self.groups is not None:  # GRPO: `batch_size * gradient_accumulation_steps` whole groups per step
-            return grpo_step(self, self.groups.take(args.batch_size * args.gradient_accumulation_steps))
+            # `num_iterations` steps per batch; a job resumed inside a batch takes it again and starts its first pass
+            if self.rl_batch is None or self.step % args.num_iterations == 0:
+                self.batch_start = self.groups.state_dict()
+                self.rl_batch = rl_batch(self, self.groups.take(args.batch_size * args.gradient_accumulation_steps))
+            return grpo_step(self, self.rl_batch)
         assert self.stream is not None
         batch = step_batch(
             self.stream.take(self.global_batch),

@@ -105,6 +105,7 @@ def _moe_config(arch: ModelArch, aux_loss_coef: float) -> dict:
         "moe_grouped_gemm": False,
         "moe_layer_freq": [int(arch.is_moe(i)) for i in range(arch.num_layers)],
         "expert_model_parallel_size": arch.expert_shard[1],
+        "moe_enable_routing_replay": True,  # megatron's RouterReplay hook; idle unless `moe_replay` sets an action
     }
 
 

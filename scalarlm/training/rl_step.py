@@ -1,14 +1,18 @@
-"""One GRPO / Dr. GRPO optimizer step of a Trainer over a batch of scored rows (all groups in this one step).
+"""GRPO / Dr. GRPO optimizer steps of a Trainer over a batch of scored rows (all groups of the batch in each step).
 
-The rows are tokenized, this DP rank's share packed padding-free (as SFT's), and `step.run_step` drives the step with
-`grpo_loss`: the clipped objective on each micro-batch's logprobs (the policy forward is the only one, unless a KL
-term asks for the reference's logprobs too).
+`rl_batch` tokenizes the rows and packs this DP rank's share padding-free (as SFT's); `grpo_step` drives one step
+over it with `step.run_step` and `grpo_loss`: the clipped objective on each micro-batch's logprobs (the policy
+forward is the only one, unless a KL term asks for the reference's logprobs too). A GRPO job takes
+`num_iterations` steps over each batch (TRL's mu): the first step keeps its logprobs, the ratio of rows without
+sampling logprobs in the later steps compares with them, and on a mixture-of-experts model the first step's expert
+choices are recorded, compared with and, with `routing_replay`, replayed (`moe_replay`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,7 +36,34 @@ if TYPE_CHECKING:
 
 # Blocks of `max_len` tokens per forward pass in an RL step (at least; `batch_size` if larger).
 MIN_ROWS_PER_MICRO = 8
-STATS = ("loss", "clipped_tokens", "tokens", "kl_sum")
+STATS = ("loss", "clipped_tokens", "tokens", "kl_sum", "routing_changed", "routing_compared")
+
+
+@dataclass
+class RLBatch:
+    """A batch of scored rows as this rank trains it: its micro-batches, the rows' stats and total tokens (every
+    rank), how many steps have trained on it in this run, and the first step's logprobs per micro-batch (kept only
+    when more steps follow)."""
+
+    micro: list[RLMicroBatch]
+    stats: dict[str, Any]
+    tokens: int
+    iteration: int = 0
+    first_logp: list[Tensor] = field(default_factory=list)
+
+
+def rl_batch(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> RLBatch:
+    """Validate and tokenize `raw_rows` (InvalidRequest if bad); this DP rank's share, packed."""
+    args, par = trainer.args, trainer.par
+    rows = parse_rl_rows(raw_rows)
+    docs, stats = encode_rl_rows(trainer.tokenizer, rows, args.loss, trainer.max_len)
+    weights = token_weights(docs, args.loss)
+    mine = list(range(par.dp_rank, len(docs), par.dp_size))
+    micro = rl_micro_batches([docs[i] for i in mine], [weights[i] for i in mine], trainer.max_len,
+                             max(args.batch_size, MIN_ROWS_PER_MICRO), trainer.pad_id)  # fmt: skip
+    if trainer.routing is not None:
+        trainer.routing.new_batch()
+    return RLBatch(micro, stats, sum(len(d.doc.tokens) for d in docs))
 
 
 def _reference_logp(trainer: "Trainer", batch: MicroBatch) -> Tensor:
@@ -44,37 +75,45 @@ def _reference_logp(trainer: "Trainer", batch: MicroBatch) -> Tensor:
         return -token_losses(trainer.ref_model, batch).float()
 
 
-def grpo_loss(trainer: "Trainer", micro: Sequence[RLMicroBatch]) -> LossFn:
-    """The step driver's loss function over `micro`: the weighted clipped objective (+ KL) and its STATS."""
+def grpo_loss(trainer: "Trainer", batch: RLBatch) -> LossFn:
+    """The step driver's loss function over `batch`: the weighted clipped objective (+ KL) and its STATS."""
     args, device = trainer.args, trainer.par.device
+    keep_first = batch.iteration == 0 and args.num_iterations > 1
 
-    def loss_fn(i: int, batch: MicroBatch, token_loss: Tensor) -> tuple[Tensor, Tensor]:
-        m = micro[i]
-        ref = _reference_logp(trainer, batch) if args.kl_coef > 0 else None
+    def loss_fn(i: int, mb: MicroBatch, token_loss: Tensor) -> tuple[Tensor, Tensor]:
+        m = batch.micro[i]
+        logp = -token_loss.float()
+        if keep_first:
+            batch.first_logp.append(logp.detach())
+        first = batch.first_logp[i] if batch.iteration > 0 else None
+        ref = _reference_logp(trainer, mb) if args.kl_coef > 0 else None
         adv, old, has_old, weights = (t.to(device) for t in (m.advantages, m.old_logprobs, m.has_old, m.weights))
-        loss, st = grpo_objective(-token_loss.float(), old, has_old, adv, weights, batch.loss_mask, args.clip_eps,
-                                  args.kl_coef, ref)  # fmt: skip
+        loss, st = grpo_objective(logp, old, has_old, adv, weights, mb.loss_mask, args.clip_eps, args.kl_coef, ref,
+                                  first_logp=first)  # fmt: skip
         zero = torch.zeros((), device=loss.device)
-        stats = torch.stack([loss.detach(), st["clipped_tokens"], st["tokens"], st.get("kl_sum", zero)])
+        routing = trainer.routing.take_counts() if trainer.routing is not None else torch.zeros(2)
+        stats = torch.stack([loss.detach(), st["clipped_tokens"], st["tokens"], st.get("kl_sum", zero),
+                             *routing.to(loss.device, loss.dtype)])  # fmt: skip
         return loss, stats.double()
 
     return loss_fn
 
 
-def grpo_step(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Validate, tokenize and take one optimizer step on `raw_rows`; return the metrics row (InvalidRequest if bad)."""
+def grpo_step(trainer: "Trainer", batch: RLBatch) -> dict[str, Any]:
+    """One optimizer step on `batch` (its next iteration); return the metrics row."""
     start = time.perf_counter()
-    args, par = trainer.args, trainer.par
-    rows = parse_rl_rows(raw_rows)
-    docs, stats = encode_rl_rows(trainer.tokenizer, rows, args.loss, trainer.max_len)
-    weights = token_weights(docs, args.loss)
-    mine = list(range(par.dp_rank, len(docs), par.dp_size))
-    micro = rl_micro_batches([docs[i] for i in mine], [weights[i] for i in mine], trainer.max_len,
-                             max(args.batch_size, MIN_ROWS_PER_MICRO), trainer.pad_id)  # fmt: skip
-    result = run_step(trainer, [m.batch for m in micro], grpo_loss(trainer, micro), len(STATS))
-    tokens = sum(len(d.doc.tokens) for d in docs)
+    args = trainer.args
+    routing = trainer.routing
+    around = routing.forward_pass if routing is not None else None
+    try:
+        result = run_step(trainer, [m.batch for m in batch.micro], grpo_loss(trainer, batch), len(STATS), around)
+    finally:
+        if routing is not None:
+            routing.done()
+    batch.iteration += 1
+    tokens, stats = batch.tokens, batch.stats
     trainer.tokens_seen += tokens
-    loss, clipped, n_tokens, kl_sum = (float(x) for x in result.sums)
+    loss, clipped, n_tokens, kl_sum, changed, compared = (float(x) for x in result.sums)
     elapsed = time.perf_counter() - start
     metrics = {
         "step": trainer.step,
@@ -93,4 +132,8 @@ def grpo_step(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> dict[str, A
     }
     if args.kl_coef > 0:
         metrics["kl"] = kl_sum / n_tokens if n_tokens else 0.0
+    if args.num_iterations > 1:
+        metrics["batch_step"] = (trainer.step - 1) % args.num_iterations + 1  # which of the batch's steps
+    if compared:
+        metrics["moe_routing_changed_fraction"] = changed / compared
     return metrics

@@ -35,7 +35,7 @@ from scalarlm.checkpoint.session import SessionDir, batch_version, stale_message
 from scalarlm.protocol.errors import Conflict, InvalidRequest, ScalarLMError
 from scalarlm.protocol.training import SessionStepResult
 from scalarlm.training.data import StepBatch, encode_rows, pack, spread_batch
-from scalarlm.training.rl_step import grpo_step
+from scalarlm.training.rl_step import grpo_step, rl_batch
 from scalarlm.training.rows import parse_row
 from scalarlm.training.tinker_ops import is_op_request, run_op
 
@@ -66,7 +66,7 @@ def sft_batch(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> StepBatch:
 def session_step(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> dict[str, Any]:
     """One optimizer step on one request's rows (GRPO or SFT per `train_args.loss`)."""
     if trainer.args.loss in ("grpo", "dr_grpo"):
-        return grpo_step(trainer, raw_rows)
+        return grpo_step(trainer, rl_batch(trainer, raw_rows))
     return trainer.sft_step(sft_batch(trainer, raw_rows))
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -61,8 +61,10 @@ def _zero_backward(ddp: torch.nn.Module) -> None:
     torch.stack([p.reshape(-1)[0] for p in params]).mul(0.0).sum().backward()
 
 
-def run_step(trainer: "Trainer", micro_batches: Sequence[MicroBatch], loss_fn: LossFn, n_stats: int) -> StepResult:
-    """One optimizer step of `loss_fn` over this rank's `micro_batches` (zero or more); bumps `trainer.step`."""
+def run_step(trainer: "Trainer", micro_batches: Sequence[MicroBatch], loss_fn: LossFn, n_stats: int,
+             around_forward: Callable[[int], AbstractContextManager] | None = None) -> StepResult:  # fmt: skip
+    """One optimizer step of `loss_fn` over this rank's `micro_batches` (zero or more); bumps `trainer.step`.
+    `around_forward(i)` wraps micro-batch i's forward (GRPO's routing replay)."""
     start = time.perf_counter()
     par, ddp = trainer.par, trainer.ddp
     ddp.train()
@@ -76,7 +78,8 @@ def run_step(trainer: "Trainer", micro_batches: Sequence[MicroBatch], loss_fn: L
         micro = micro.to(par.device)
         with nullcontext() if i == last else ddp.no_sync():  # the last backward starts the all-reduce
             with balance.forward_pass() if balance is not None else nullcontext():
-                token_loss = token_losses(ddp, micro)
+                with around_forward(i) if around_forward is not None else nullcontext():
+                    token_loss = token_losses(ddp, micro)
             loss, stats = loss_fn(i, micro, token_loss)
             loss.backward()
         sums += stats.to(sums.device, torch.float64)

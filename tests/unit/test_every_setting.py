@@ -125,6 +125,17 @@ EVIDENCE: dict[str, list[str]] = {
         "tests/integration/training/test_moe_parity.py::test_aux_loss_trains_the_same_at_ep2_as_at_dp2_and_is_reported",
         "tests/unit/training/test_moe_family.py::test_moe_settings_the_trainer_cannot_honour_are_refused_at_submission",
     ],
+    "TrainArgs.num_iterations": [  # steps per batch; later steps compare with the first; sessions: 400
+        "tests/unit/training/test_grpo.py::test_a_later_step_of_a_batch_compares_rows_without_sampling_logprobs_with_the_first_step",
+        "tests/integration/training/test_moe_parity.py::test_grpo_steps_over_one_batch_record_compare_and_replay_the_routing",
+        "tests/unit/training/test_moe_family.py::test_grpo_iteration_and_routing_replay_settings_that_cannot_work_are_refused",
+        "tests/integration/loop/test_session_routes.py::test_bad_rows_are_400_and_a_dead_trainer_fails_the_step_fast",
+    ],
+    "TrainArgs.routing_replay": [  # replayed layers = float64 on the recorded experts; on/off runs; refusals
+        "tests/integration/training/test_moe_parity.py::test_routing_replay_runs_each_moe_layer_on_the_recorded_experts",
+        "tests/integration/training/test_moe_parity.py::test_grpo_steps_over_one_batch_record_compare_and_replay_the_routing",
+        "tests/unit/training/test_moe_family.py::test_grpo_iteration_and_routing_replay_settings_that_cannot_work_are_refused",
+    ],
     "TrainArgs.cpu_ranks": [
         "tests/integration/training_api/test_real_training.py::test_two_cpu_ranks_run_under_mpirun",
     ],

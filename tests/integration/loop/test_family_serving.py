@@ -3,7 +3,8 @@
 An SFT job (full weights, then LoRA) publishes a checkpoint that opens in `transformers` (PEFT for the adapter); the
 served greedy answer for the job, after the hot swap, equals `transformers` greedy on that checkpoint; one GRPO step
 trains and publishes. One module-scoped server per family, a few steps per job. Mixture-of-experts families
-(qwen3-moe) train full weights only: their LoRA job is refused at submission with a 400 naming adapter_type.
+(qwen3-moe) train full weights only: their LoRA job is refused at submission with a 400 naming adapter_type; their
+GRPO job takes two steps per batch with routing replay off and on, and reports the changed-routing fraction.
 """
 
 from __future__ import annotations
@@ -103,7 +104,19 @@ def test_one_grpo_step_trains_and_publishes(family_server: tuple[str, str, Path]
     family, url, _ = family_server
     llm = scalarlm.ScalarLM(api_url=url, timeout=600)
     rows = [{"prompt": PROMPTS[0], "completion": c, "reward": r} for c, r in ((" Paris", 1.0), (" Rome", 0.0))]
-    adapter = {"adapter_type": "full"} if family in MOE else {}
-    job = llm.train(rows, train_args={**TRAIN, "max_steps": 1, "loss": "grpo", "batch_size": 1, **adapter})
-    assert job.wait(timeout=900).status == "COMPLETED", job.info()
-    assert job.info().checkpoints == [1]
+    if family not in MOE:
+        job = llm.train(rows, train_args={**TRAIN, "max_steps": 1, "loss": "grpo", "batch_size": 1})
+        assert job.wait(timeout=900).status == "COMPLETED", job.info()
+        assert job.info().checkpoints == [1]
+        return
+    # MoE: two steps over the batch (num_iterations 2), routing replay off and on; the second step reports how many
+    # tokens' experts changed since the first, through the API's metrics.
+    for replay in (False, True):
+        job = llm.train(rows, train_args={**TRAIN, "max_steps": 2, "steps_per_checkpoint": 2, "loss": "grpo",
+                                          "batch_size": 1, "adapter_type": "full", "num_iterations": 2,
+                                          "routing_replay": replay})  # fmt: skip
+        assert job.wait(timeout=900).status == "COMPLETED", job.info()
+        assert job.info().checkpoints == [2]
+        first, second = job.metrics()
+        assert "moe_routing_changed_fraction" not in first and 0 <= second["moe_routing_changed_fraction"] <= 1
+        assert first["moe_load_balancing_loss"] > 0 and second["batch_step"] == 2

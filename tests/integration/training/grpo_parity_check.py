@@ -103,7 +103,7 @@ def main() -> int:
     from scalarlm.training.launch_env import launch_env_from
     from scalarlm.training.losses import token_losses
     from scalarlm.training.parallel import init_parallel, shutdown_parallel
-    from scalarlm.training.rl_step import grpo_loss
+    from scalarlm.training.rl_step import RLBatch, grpo_loss
 
     init_parallel(launch_env_from(os.environ), 1, seed=0)
     try:
@@ -118,10 +118,11 @@ def main() -> int:
             weights = token_weights(docs, loss_type)
             # Padding-free: the trainer's own micro-batches (two blocks each, so several) and loss function.
             micro = rl_micro_batches(docs, weights, MAX_LEN, 2, pad_id)
-            trainer = SimpleNamespace(args=SimpleNamespace(kl_coef=KL_COEF, clip_eps=CLIP), par=SimpleNamespace(
-                device=torch.device("cpu")), lora=False, ref_model=ref_model, ddp=model)  # fmt: skip
-            loss_fn = grpo_loss(trainer, micro)
-            sums = torch.zeros(4, dtype=torch.float64)  # loss, clipped tokens, tokens, KL sum
+            trainer = SimpleNamespace(args=SimpleNamespace(kl_coef=KL_COEF, clip_eps=CLIP, num_iterations=1),
+                                      par=SimpleNamespace(device=torch.device("cpu")), lora=False, ref_model=ref_model,
+                                      ddp=model, routing=None)  # fmt: skip
+            loss_fn = grpo_loss(trainer, RLBatch(micro, {}, 0))
+            sums = torch.zeros(6, dtype=torch.float64)  # loss, clipped tokens, tokens, KL sum, routing (none)
             for i, m in enumerate(micro):
                 loss, stats = loss_fn(i, m.batch, token_losses(model, m.batch))
                 loss.backward()

@@ -11,13 +11,12 @@ For each mixture-of-experts HF model directory, on one random batch [1, 40] in t
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
+from moe_single import loaded_model, run_each
 
 COEF = 0.05
 SEQ = 40
@@ -35,21 +34,6 @@ def numpy_balance(router_logits: list[np.ndarray], topk: int) -> float:
     return float(np.mean(losses))
 
 
-def build(model_dir: Path, arch, coef: float):
-    from scalarlm.training.convert import mark_tensor_parallel
-    from scalarlm.training.model import build_gpt_model
-    from scalarlm.training.shard_load import load_rank_params
-
-    model = build_gpt_model(arch, 1, bf16=False, aux_loss_coef=coef)
-    params = dict(model.named_parameters())
-    loaded, _ = load_rank_params(model_dir, arch, 0, 1)
-    with torch.no_grad():
-        for name, value in loaded.items():
-            params[name].copy_(value)
-    mark_tensor_parallel(model, arch)
-    return model.train()
-
-
 def check(model_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -63,7 +47,7 @@ def check(model_dir: Path) -> dict:
     causal = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
 
     # megatron's aux loss, weighted as the step driver weighs a step of SEQ tokens.
-    with_aux = build(model_dir, arch, COEF)
+    with_aux = loaded_model(model_dir, arch, COEF)
     meter = BalanceMeter(with_aux)
     aux_loss_scale(SEQ)
     with meter.forward_pass():
@@ -73,7 +57,7 @@ def check(model_dir: Path) -> dict:
 
     # The reference objective, written out: the same model without megatron's aux loss, plus the loss of each
     # router's logits (captured with their graph).
-    plain = build(model_dir, arch, 0.0)
+    plain = loaded_model(model_dir, arch)
     logits = []
     for layer in plain.decoder.layers:
         router = getattr(layer.mlp, "router", None)
@@ -89,7 +73,7 @@ def check(model_dir: Path) -> dict:
     ce_plain = plain(ids, positions, causal, labels=labels)
     aux = sum(load_balancing_loss(x.reshape(-1, x.shape[-1]), arch.moe_topk) for x in logits)
     (ce_plain.sum() / SEQ + COEF * aux).backward()
-    no_aux = build(model_dir, arch, 0.0)
+    no_aux = loaded_model(model_dir, arch)
     (no_aux(ids, positions, causal, labels=labels).sum() / SEQ).backward()
 
     def grads(model):
@@ -109,18 +93,5 @@ def check(model_dir: Path) -> dict:
             "numpy": numpy_balance(hf_logits, arch.moe_topk), "grad_diff": grad_diff, "aux_grad": aux_grad}  # fmt: skip
 
 
-def main() -> int:
-    from scalarlm.training.launch_env import launch_env_from
-    from scalarlm.training.parallel import init_parallel, shutdown_parallel
-
-    init_parallel(launch_env_from(os.environ), 1, seed=0)
-    try:
-        for model_dir in map(Path, sys.argv[1:]):
-            print("RESULT " + json.dumps(check(model_dir)), flush=True)
-    finally:
-        shutdown_parallel()
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_each(check))

@@ -60,3 +60,41 @@ def test_grpo_lora_job_prefers_rewarded_completions(tmp_path: Path, tiny_model_d
     tuned = PeftModel.from_pretrained(base, str(job.step_dir(12))).eval()
     after = [_margin(tuned, tokenizer, p) for p in PROMPTS]
     assert all(a > b + 1.0 for a, b in zip(after, before)), (before, after)
+
+
+def _batches() -> list[dict]:
+    """Six prompts in groups of three; the two halves' mean rewards differ, so a metrics row names its batch."""
+    rows = []
+    for i, prompt in enumerate(["2+2=", "3+3=", "1+4=", "5+1=", "2+5=", "4+4="]):
+        rows += [{"prompt": prompt, "completion": GOOD, "reward": 1.0 + i // 3},
+                 {"prompt": prompt, "completion": BAD, "reward": 0.0}]  # fmt: skip
+    return rows
+
+
+MU = dict(loss="grpo", num_iterations=3, batch_size=3, learning_rate=1e-2, lr_schedule="constant", adapter_type="full",
+          shuffle=False, max_seq_len=32)  # fmt: skip
+
+
+def test_num_iterations_trains_each_batch_several_steps_and_a_resume_inside_a_batch_takes_it_again(
+        tmp_path: Path, tiny_model_dir: Path) -> None:  # fmt: skip
+    """num_iterations 3: steps 1-3 train the first batch of groups, 4-6 the second. A job whose state was saved after
+    step 4 (inside the second batch) resumes with the second batch again for steps 5 and 6, as the uninterrupted
+    job trains them; the later steps of a batch clip tokens the policy moved (their old logprobs are the first
+    step's: the rows carry no sampling logprobs)."""
+    whole = make_job(tmp_path, "mu-whole", tiny_model_dir, _batches(), max_steps=6, steps_per_checkpoint=6, **MU)
+    assert run_trainer(whole) == 0, trainer_output(whole)
+    rows = whole.read_metrics()
+    assert [r["batch_step"] for r in rows] == [1, 2, 3, 1, 2, 3]
+    means = [r["reward_mean"] for r in rows]
+    assert means[0] == means[1] == means[2] != means[3] == means[4] == means[5]
+    assert rows[0]["clip_fraction"] == 0 and any(r["clip_fraction"] > 0 for r in rows[1:3] + rows[4:6]), rows
+
+    split = make_job(tmp_path, "mu-split", tiny_model_dir, _batches(), max_steps=4, steps_per_checkpoint=4, **MU)
+    assert run_trainer(split) == 0, trainer_output(split)  # ends with its state saved at step 4, inside batch two
+    config = split.read_config()
+    split.write_config(config.model_copy(update={"train_args": config.train_args.model_copy(update={"max_steps": 6})}))
+    assert run_trainer(split) == 0, trainer_output(split)
+    resumed = split.read_metrics()
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    assert [r["reward_mean"] for r in resumed] == means and [r["batch_step"] for r in resumed[4:]] == [2, 3]
+    assert all(abs(a["loss"] - b["loss"]) <= 1e-5 for a, b in zip(resumed[:4], rows[:4]))

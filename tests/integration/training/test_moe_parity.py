@@ -190,3 +190,61 @@ def test_aux_loss_trains_the_same_at_ep2_as_at_dp2_and_is_reported(moe_models: d
     assert all(r["moe_load_balancing_loss"] > 0 for r in ref + dp)
     print("load balancing (coef 0 / 0.1):", [round(r["moe_load_balancing_loss"], 4) for r in ref],
           [round(r["moe_load_balancing_loss"], 4) for r in dp])
+
+
+def test_routing_replay_runs_each_moe_layer_on_the_recorded_experts(moe_models: dict[str, Path]) -> None:
+    """moe_replay_check.py on every MoE tiny model: after the routers move (so that most tokens would choose other
+    experts), a replayed forward's MoE layers equal the layer computed in float64 on the first pass's experts with the
+    moved router's probabilities; without replay the outputs differ, and the changed choices are counted."""
+    proc = subprocess.run([sys.executable, str(HERE / "moe_replay_check.py"), *map(str, moe_models.values())],
+                          env=mpi_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert sorted(r["model"] for r in rows) == MOE_MODELS
+    for r in rows:
+        assert r["replay_diff"] <= TOLERANCE, r  # measured <= 2.1e-6 (fp32 against float64)
+        assert r["replay_effect"] > 0.1, r  # the replay decides which experts run
+        assert 0.2 < r["changed_fraction"] < 1 and 0 < r["changed_fraction_replayed"] < 1, r
+
+
+def grpo_rows() -> list[dict]:
+    rows = []
+    for i, prompt in enumerate(["2+2=", "3+3=", "1+4=", "5+1=", "2+5=", "4+4="]):
+        rows += [{"prompt": prompt, "completion": " yes", "reward": 1.0 + i % 2},
+                 {"prompt": prompt, "completion": " no way", "reward": 0.0},
+                 {"prompt": prompt, "completion": " maybe so", "reward": 0.5}]  # fmt: skip
+    return rows
+
+
+MU = dict(loss="grpo", num_iterations=3, max_steps=6, batch_size=3, learning_rate=2e-2, lr_schedule="constant",
+          adapter_type="full", dtype="float32", steps_per_checkpoint=6, shuffle=False, max_seq_len=32)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_grpo_steps_over_one_batch_record_compare_and_replay_the_routing(moe_models: dict[str, Path],
+                                                                         tmp_path: Path) -> None:  # fmt: skip
+    """GRPO with num_iterations 3 on tiny Qwen3-MoE, routing replay off and on (real trainer processes): three steps
+    per batch of groups; the first step of a batch is the same in both runs; the later steps report the fraction of
+    tokens whose experts changed since it; where they changed, replay trains differently, where not, identically."""
+    from trainer_jobs import make_job, run_trainer, trainer_output
+
+    runs = {}
+    for replay in (False, True):
+        job = make_job(tmp_path, f"mu-{replay}", moe_models["qwen3-moe"], grpo_rows(), routing_replay=replay, **MU)
+        assert run_trainer(job, 1, timeout=600) == 0, trainer_output(job)[-3000:]
+        assert job.read_status().status == "COMPLETED"
+        runs[replay] = job.read_metrics()
+    off, on = runs[False], runs[True]
+    for rows in (off, on):
+        assert [r["batch_step"] for r in rows] == [1, 2, 3, 1, 2, 3]
+        assert [r["groups"] for r in rows] == [3] * 6
+        assert rows[0]["reward_mean"] == rows[1]["reward_mean"] == rows[2]["reward_mean"]  # one batch, three steps
+        assert all("moe_routing_changed_fraction" not in r for r in rows[::3])  # a first pass compares with nothing
+        assert all(0 <= r["moe_routing_changed_fraction"] <= 1 for i, r in enumerate(rows) if i % 3)
+        assert all(r["moe_load_balancing_loss"] > 0 for r in rows)
+    assert off[0]["loss"] == on[0]["loss"] and off[0]["grad_norm"] == on[0]["grad_norm"]
+    assert any(r["moe_routing_changed_fraction"] > 0 for i, r in enumerate(off) if i % 3), off  # the routers moved
+    moved = off[1]["moe_routing_changed_fraction"] > 0
+    assert (abs(off[1]["grad_norm"] - on[1]["grad_norm"]) > 1e-6 * off[1]["grad_norm"]) == moved, (off[1], on[1])
+    print("changed fraction off / on:", [r.get("moe_routing_changed_fraction") for r in off],
+          [r.get("moe_routing_changed_fraction") for r in on])

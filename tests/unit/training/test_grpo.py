@@ -85,6 +85,23 @@ def test_clipped_objective_matches_numpy(loss: str) -> None:
     assert stats["kl_sum"].item() == pytest.approx((kl * m).sum(), rel=1e-5)
 
 
+def test_a_later_step_of_a_batch_compares_rows_without_sampling_logprobs_with_the_first_step() -> None:
+    """num_iterations > 1: a token without a sampling logprob takes the batch's first-step logprob as its old one
+    (NumPy), while tokens with one keep it; without `first_logp` such a token's ratio is 1."""
+    logp, old, _, adv, mask, has_old = _fixed_batch()
+    first = logp.detach() + 0.4 * torch.linspace(-1, 1, 6)  # the policy moved since the first step
+    w = torch.full((3, 6), 0.1)
+    got, stats = grpo_objective(logp, old, has_old, adv, w, mask, 0.2, first_logp=first)
+    lp, o, f, a, m = (x.double().numpy() for x in (logp, old, first, adv, mask))
+    ratio = np.exp(lp - np.where(has_old.numpy() > 0, o, f))
+    pg = -np.minimum(ratio * a, np.clip(ratio, 0.8, 1.2) * a)
+    assert got.item() == pytest.approx((pg * m * 0.1).sum(), rel=1e-5)
+    clipped_row = ((ratio * a > np.clip(ratio, 0.8, 1.2) * a) * m)[2].sum()
+    assert clipped_row > 0  # the row without logprobs is now off-policy and clipped where it moved far
+    on_policy, _ = grpo_objective(logp, old, has_old, adv, w, mask, 0.2)
+    assert on_policy.item() != pytest.approx(got.item(), rel=1e-6)
+
+
 def test_equal_reward_group_contributes_no_gradient() -> None:
     """Policy-gradient terms of a group whose rewards are all equal have zero gradient, even off-policy."""
     torch.manual_seed(0)

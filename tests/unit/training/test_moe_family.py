@@ -161,3 +161,19 @@ def test_moe_settings_the_trainer_cannot_honour_are_refused_at_submission(tmp_pa
         check_base_model(str(dense), TrainArgs(adapter_type="full", moe_aux_loss_coef=0.01))
     with pytest.raises(ValueError, match="moe_aux_loss_coef"):
         TrainArgs(moe_aux_loss_coef=-1)
+
+
+def test_grpo_iteration_and_routing_replay_settings_that_cannot_work_are_refused(tmp_path) -> None:
+    """routing_replay needs an MoE model and a batch trained over more than one step; both settings are GRPO's."""
+    from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS, make_tiny_model
+
+    moe = make_tiny_model(tmp_path / "qwen3-moe", **FAMILY_TINY_MODELS["qwen3-moe"])
+    check_base_model(str(moe), TrainArgs(adapter_type="full", loss="grpo", num_iterations=2, routing_replay=True))
+    dense = make_tiny_model(tmp_path / "dense")
+    check_base_model(str(dense), TrainArgs(adapter_type="full", loss="grpo", num_iterations=2))  # TRL's mu, any model
+    with pytest.raises(InvalidRequest, match="routing_replay needs a mixture-of-experts model; llama is dense"):
+        check_base_model(str(dense), TrainArgs(adapter_type="full", loss="grpo", num_iterations=2, routing_replay=True))
+    with pytest.raises(ValueError, match="routing_replay reuses a batch's first-step expert choices .* num_iterations > 1"):
+        TrainArgs(loss="grpo", routing_replay=True)
+    with pytest.raises(ValueError, match="num_iterations and routing_replay are GRPO settings"):
+        TrainArgs(num_iterations=2)

@@ -1,0 +1,89 @@
+"""Run by test_moe_parity.py as one plain process: `moe_replay_check.py MODEL...`.
+
+For each mixture-of-experts HF model directory, on one random batch [1, 48]: a first forward records every MoE
+layer's chosen experts (`moe_replay.RoutingReplay`); then every router's weights are moved (as training moves them)
+so that it would choose differently; then one forward without replay and one with it. Prints one JSON line:
+* `changed_fraction`: (token, layer) pairs whose own top-k now differs from the recorded one, counted by the
+  RoutingReplay on the pass without replay, and `changed_fraction_replayed` on the replayed pass (the same count);
+* `replay_diff`: max |MoE layer output under replay - the same layer computed in float64 from its input, the moved
+  router's logits and the *recorded* experts| (probabilities: softmax over the recorded experts' logits when HF
+  renormalises the top k, else the full softmax taken at them), over every MoE layer;
+* `replay_effect`: max |MoE layer output without replay - with replay| (how much the replay changes at all).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from moe_single import loaded_model, run_each
+
+SEQ = 48
+
+
+def reference(h: torch.Tensor, mlp, experts: torch.Tensor, norm_topk: bool) -> torch.Tensor:
+    """One MoE layer in float64: [T, H] input, the recorded [T, k] experts."""
+    h = h.double()
+    logits = h @ mlp.router.weight.double().t()
+    if norm_topk:
+        probs = torch.softmax(logits.gather(1, experts), dim=-1)
+    else:
+        probs = torch.softmax(logits, dim=-1).gather(1, experts)
+    out = torch.zeros_like(h)
+    for e, expert in enumerate(mlp.experts.local_experts):
+        gate, up = expert.linear_fc1.weight.double().chunk(2, dim=0)
+        y = (F.silu(h @ gate.t()) * (h @ up.t())) @ expert.linear_fc2.weight.double().t()
+        weight = (probs * (experts == e)).sum(dim=1, keepdim=True)
+        out += weight * y
+    return out
+
+
+def check(model_dir: Path) -> dict:
+    from scalarlm.training.model import model_arch
+    from scalarlm.training.moe_replay import RoutingReplay
+
+    arch = model_arch(model_dir)
+    assert arch.activation == "silu", arch.activation
+    model = loaded_model(model_dir, arch)
+    replay = RoutingReplay(model, replay=True)
+    moe = [layer.mlp for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for j, mlp in enumerate(moe):
+        mlp.register_forward_hook(lambda m, args, out, j=j: seen.__setitem__(j, (args[0][:, 0].clone(), out[0][:, 0].clone())))
+
+    ids = torch.randint(0, arch.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(5))
+    positions = torch.arange(SEQ)[None]
+    causal = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
+
+    def forward() -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        seen.clear()
+        with replay.forward_pass(0):
+            model(ids, positions, causal)
+        replay.done()
+        return dict(seen)
+
+    with torch.no_grad():
+        forward()  # the batch's first pass: records
+        recorded = replay.recorded[0]
+        gen = torch.Generator().manual_seed(6)
+        for mlp in moe:  # the router moves
+            w = mlp.router.weight
+            w.add_(torch.randn(w.shape, generator=gen) * w.std() * 2.0)
+        replay.replay = False
+        natural = forward()
+        changed, compared = replay.take_counts().tolist()
+        replay.replay = True
+        replayed = forward()
+        changed_replayed, compared_replayed = replay.take_counts().tolist()
+    replay_diff = max((reference(replayed[j][0], mlp, recorded[j], arch.moe_norm_topk) - replayed[j][1].double())
+                      .abs().max().item() for j, mlp in enumerate(moe))  # fmt: skip
+    effect = max((natural[j][1] - replayed[j][1]).abs().max().item() for j in range(len(moe)))
+    return {"model": model_dir.name, "layers": len(moe), "compared": compared, "changed_fraction": changed / compared,
+            "changed_fraction_replayed": changed_replayed / compared_replayed, "replay_diff": replay_diff,
+            "replay_effect": effect}  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(run_each(check))
