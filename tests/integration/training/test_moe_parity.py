@@ -5,7 +5,9 @@ On each MoE tiny model of `FAMILY_TINY_MODELS` (Qwen3-MoE with renormalised top-
 dense layer between sparse ones, Mixtral): megatron's fp32 router logits, the experts it chooses for every token,
 the routing probabilities, each MoE block's output and the whole-model logits equal transformers' in fp32.
 Whole-model logits on packed documents and long sequences, and the bit-exact HF -> mcore -> HF round trip, are in
-test_family_parity.py (the same tiny models).
+test_family_parity.py (the same tiny models). Also here: real SFT jobs at one rank, DP=2 and EP=2; the load-balancing
+loss (metric = NumPy, gradient = the written-out objective, EP=2 = DP=2); routing replay (replayed layers = float64
+on the recorded experts) and GRPO over several steps per batch with it off and on.
 """
 
 from __future__ import annotations
