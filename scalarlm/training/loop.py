@@ -95,8 +95,6 @@ class Trainer:
             # frozen-weight linear rounds differently at TP=2 (2.4e-6 in a packed row's logprob, measured), which
             # turns step 1's zero KL gradient into noise that Adam's first step spreads over every near-zero grad.
             self.ref_model = self._build_model(trained=False).eval()
-        # Overlapped grad all-reduce (DP > 1) for every loss: the step driver (step.py) runs all but each step's last
-        # micro-batch under no_sync(), and Tinker's forward_backward all of them (its optim_step starts the sync).
         # Every step's metrics carry the MoE load-balancing loss (dense models: none); GRPO over several steps per
         # batch records the first step's expert choices (and replays them with `routing_replay`).
         self.balance = BalanceMeter(self.model) if self.arch.num_experts else None
@@ -105,6 +103,8 @@ class Trainer:
             self.routing = RoutingReplay(self.model, args.routing_replay)
         self.rl_batch: RLBatch | None = None
         self.batch_start: dict[str, int] = {}  # the group stream's state before the current batch
+        # Overlapped grad all-reduce (DP > 1) for every loss: the step driver (step.py) runs all but each step's last
+        # micro-batch under no_sync(), and Tinker's forward_backward all of them (its optim_step starts the sync).
         self.ddp = wrap_data_parallel(self.model if not self.bf16 else self._half(self.model), par, overlap=True)
         self.optimizer = build_optimizer(self.ddp, args, par, self.bf16)
         self.step = 0

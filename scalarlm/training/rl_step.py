@@ -11,7 +11,6 @@ choices are recorded, compared with and, with `routing_replay`, replayed (`moe_r
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
