@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 import itertools
+import json
+import logging
 from argparse import Namespace
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from scalarlm.config import CPU_KV_CACHE_BYTES, Settings, gpu_memory_split
 from scalarlm.inference.load import LoadTracker, stat_logger_factory
@@ -61,16 +63,45 @@ def memory_cli_args(settings: Settings, device: Device) -> list[str]:
     return argv
 
 
+def checkpoint_config(path: str | Path) -> dict | None:
+    """A local checkpoint's config.json (None: not a local directory, or no readable config)."""
+    try:
+        return json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def checkpoint_experts(path: str | Path) -> int:
+    """How many experts a local checkpoint's layers have (0: a dense model, or no readable config)."""
+    config = checkpoint_config(path) or {}
+    return int(config.get("num_experts") or config.get("num_local_experts") or 0)
+
+
+def lora_enabled(settings: Settings, device: Device) -> bool:
+    """Whether the engine gets LoRA slots: `engine.enable_lora`, except for a mixture-of-experts model on CPU. vLLM
+    0.32.0's LoRA wrapper of the fused-MoE layer runs Triton kernels, which the CPU build lacks: the EngineCore died
+    on its first forward (measured, "triton.language has no attribute float32"). No MoE adapter can be trained here
+    anyway (the MoE families refuse LoRA)."""
+    if not settings.engine.enable_lora:
+        return False
+    if device == "cpu" and checkpoint_experts(settings.model):
+        logger.warning("LoRA is off for %s: a mixture-of-experts model on CPU (vLLM's MoE LoRA layer needs Triton)",
+                       settings.model)  # fmt: skip
+        return False
+    return True
+
+
 def serve_cli_args(settings: Settings, device: Device | None = None) -> list[str]:
     """The `vllm serve` flags equivalent to our settings on `device` (default: where vLLM will run)."""
     eng = settings.engine
+    device = device or engine_device()
     argv = [
         "--model", settings.model,
         "--served-model-name", settings.base_model_name,
         "--dtype", eng.dtype,
         "--max-model-len", str(eng.max_model_len),
         "--max-num-seqs", str(eng.max_num_seqs),
-        *memory_cli_args(settings, device or engine_device()),
+        *memory_cli_args(settings, device),
         "--tensor-parallel-size", str(eng.tensor_parallel_size),
         "--seed", str(eng.seed),
         # Our pull loop and backend stamp their own fingerprint (model + weights version) on responses.
@@ -80,7 +111,7 @@ def serve_cli_args(settings: Settings, device: Device | None = None) -> list[str
     ]  # fmt: skip
     if eng.enforce_eager:
         argv.append("--enforce-eager")
-    if eng.enable_lora:
+    if lora_enabled(settings, device):
         argv += ["--enable-lora", "--max-loras", str(eng.max_loras), "--max-lora-rank", str(eng.max_lora_rank)]
     return argv
 

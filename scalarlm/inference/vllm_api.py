@@ -29,6 +29,7 @@ from vllm.entrypoints.serve.exception_handling.handlers.validation import (  # v
 from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
 from vllm.envs import enable_envs_cache
 from vllm.lora.request import LoRARequest
+from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
 from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind
@@ -53,6 +54,7 @@ __all__ = [
     "LoRARequest",
     "PrometheusStatLogger",
     "RequestOutputKind",
+    "RoutedExperts",
     "SamplingParams",
     "UnquantizedEmbeddingMethod",
     "UsageContext",

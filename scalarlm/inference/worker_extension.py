@@ -8,11 +8,19 @@ embedding but leaves that module's packed copy at the old weights, so every toke
 model's head (measured: served tokens differed from transformers on the new checkpoint until this ran). On a GPU the
 step does nothing for unquantized embeddings.
 
+`reload_fused_experts`: after `reload_weights` of a mixture-of-experts checkpoint on CPU. vLLM 0.32.0's layerwise
+reload sees no load into the fused experts (the model's loader writes them through the experts' own weight loader),
+logs "RoutedExperts: Failed to load weights" and puts the old tensors back; and the CPU experts keep their weights
+prepacked for the grouped GEMM, a step only the first load runs. This loads the checkpoint's expert tensors through
+the model's own `load_weights` (its expert mapping) and prepacks them again (measured: served tokens then equal
+`transformers` on the new checkpoint, as a fresh engine's do).
+
 This module is imported inside vLLM's worker processes: it imports vLLM names through `vllm_api` only.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 WORKER_EXTENSION = "scalarlm.inference.worker_extension.ScalarLMWorkerExtension"
@@ -33,3 +41,27 @@ class ScalarLMWorkerExtension:
                 module.quant_method.process_weights_after_loading(module)
                 refreshed.append(name)
         return refreshed
+
+    def reload_fused_experts(self, weights_path: str) -> int:
+        """Load the expert tensors of the checkpoint in `weights_path` into every fused-experts layer and prepack
+        them for the CPU kernel; the number of layers reloaded."""
+        from safetensors import safe_open
+
+        from scalarlm.inference.vllm_api import RoutedExperts
+
+        model = self.model_runner.model
+        layers = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+        if not layers:
+            return 0
+
+        def expert_tensors():
+            for path in sorted(Path(weights_path).glob("*.safetensors")):
+                with safe_open(str(path), framework="pt") as f:
+                    for name in f.keys():
+                        if ".experts." in name:
+                            yield name, f.get_tensor(name)
+
+        model.load_weights(expert_tensors())
+        for layer in layers:
+            layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+        return len(layers)

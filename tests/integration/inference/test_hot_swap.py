@@ -233,7 +233,8 @@ async def test_listed_model_that_cannot_be_loaded_answers_why_and_the_base_still
                                                               path=str(broken)), PROMPTS[0])  # fmt: skip
         lora = await _openai_completion(backend, ModelVersion(name="job-gone", version=1, kind="lora",
                                                               path=str(missing)), PROMPTS[0])  # fmt: skip
-        # A mixture-of-experts checkpoint: refused before vLLM 0.32.0 on CPU would try (and kill its EngineCore).
+        # A checkpoint of another architecture (mixture of experts into this dense engine): refused before vLLM 0.32.0
+        # on CPU would try (and kill its EngineCore).
         moe = family_models["qwen3-moe"]
         experts = await _openai_completion(backend, ModelVersion(name="job-moe", version=1, kind="full",
                                                                  path=str(moe)), PROMPTS[0])  # fmt: skip
@@ -241,7 +242,7 @@ async def test_listed_model_that_cannot_be_loaded_answers_why_and_the_base_still
     finally:
         await _restore_base(backend.weights, inference_settings)
 
-    assert "mixture-of-experts" in experts.body["error"]["message"]
+    assert "['Qwen3MoeForCausalLM'] (4 experts) is not the served base's" in experts.body["error"]["message"]
     for reply, name, path in ((full, "job-broken", broken), (lora, "job-gone", missing), (experts, "job-moe", moe)):
         assert reply.status_code == 500, reply.body
         error = reply.body["error"]

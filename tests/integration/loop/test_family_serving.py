@@ -3,8 +3,9 @@
 An SFT job (full weights, then LoRA) publishes a checkpoint that opens in `transformers` (PEFT for the adapter); the
 served greedy answer for the job, after the hot swap, equals `transformers` greedy on that checkpoint; one GRPO step
 trains and publishes. One module-scoped server per family, a few steps per job. Mixture-of-experts families
-(qwen3-moe) train full weights only: their LoRA job is refused at submission with a 400 naming adapter_type; their
-GRPO job takes two steps per batch with routing replay off and on, and reports the changed-routing fraction.
+(qwen3-moe, mixtral) train full weights only and are served after the same hot swap; their LoRA job is refused at
+submission with a 400 naming adapter_type; their GRPO job takes two steps per batch with routing replay off and on,
+and reports the changed-routing fraction.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ["qwen3", "llama3", "phi3", "smollm3", "mistral", "gemma2", "gemma3", "qwen3-moe"]
-MOE = {"qwen3-moe"}  # LoRA refused (no MoE adapter rule yet)
+FAMILIES = ["qwen3", "llama3", "phi3", "smollm3", "mistral", "gemma2", "gemma3", "qwen3-moe", "mixtral"]
+MOE = {"qwen3-moe", "mixtral"}  # LoRA refused (no MoE adapter rule yet)
 PROMPTS = ["What is the capital of France?", "What do bees make?", "What colour is the sky?"]
 FACTS = [{"input": p, "output": o} for p, o in zip(PROMPTS, [" Paris", " honey", " blue"])]
 TOKENS = 6
@@ -82,18 +83,11 @@ def _train_and_compare(url: str, base: Path, adapter_type: str) -> None:
 @pytest.mark.parametrize("adapter_type", ["full", "lora"])
 def test_sft_job_is_served_like_transformers(family_server: tuple[str, str, Path], adapter_type: str) -> None:
     family, url, base = family_server
-    if family in MOE and adapter_type == "full":
-        # Measured 2026-12: the job trains and publishes (per-expert hub layout; a fresh vLLM engine on it serves
-        # transformers' greedy tokens), but vLLM 0.32 CPU's `reload_weights` does not reload fused MoE experts
-        # ("RoutedExperts: Failed to load weights", w13_weight / w2_weight not loaded; the EngineCore then dies and
-        # the batch waited forever). The worker now refuses that swap on CPU with a model_load_error before trying
-        # (tests/integration/inference/test_hot_swap.py). Not run until the hot swap handles MoE.
-        pytest.xfail("vLLM 0.32.0 CPU reload_weights does not reload fused MoE experts (hot swap of a MoE model)")
     if family in MOE and adapter_type == "lora":
         from scalarlm.protocol.errors import InvalidRequest
 
         llm = scalarlm.ScalarLM(api_url=url, timeout=600)
-        with pytest.raises(InvalidRequest, match="adapter_type 'lora' is not supported for qwen3_moe") as e:
+        with pytest.raises(InvalidRequest, match="adapter_type 'lora' is not supported for (qwen3_moe|mixtral)") as e:
             llm.train(FACTS, train_args={**TRAIN, "adapter_type": "lora"})
         assert e.value.param == "train_args"
         return
