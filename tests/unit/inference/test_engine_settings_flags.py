@@ -35,3 +35,19 @@ def test_defaults_and_lora_off(tmp_path) -> None:
     assert args.enforce_eager is True and args.dtype == "float32" and args.max_model_len == 512
     assert not args.enable_lora and args.max_loras != 9  # no LoRA: vLLM's own default, ours not passed
     assert args.served_model_name == [tmp_path.name]  # no served_model_name: the model directory's name
+
+
+def test_a_mixture_of_experts_model_on_cpu_gets_no_lora_slots(tmp_path) -> None:
+    """vLLM 0.32.0's MoE LoRA layer runs Triton kernels, which killed the CPU EngineCore on its first forward: a MoE
+    base on CPU starts without LoRA (none can be trained for it); the same model on an accelerator keeps them."""
+    import json
+
+    from scalarlm.inference.engine import lora_enabled
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4}))
+    args = _engine_args(tmp_path, engine={"enable_lora": True})
+    assert not args.enable_lora
+    settings = Settings(model=str(tmp_path), home=tmp_path)
+    assert not lora_enabled(settings, "cpu") and lora_enabled(settings, "accelerator")
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert lora_enabled(settings, "cpu")
