@@ -290,8 +290,8 @@ class WeightsManager:
 
 def _unswappable(path: Path, base: Path) -> str | None:
     """Why these weights cannot be hot-swapped into the engine serving `base` (None: they can): a checkpoint of
-    another architecture (vLLM 0.32.0 on CPU measured: reloading a mixture-of-experts checkpoint into a dense engine
-    kills its EngineCore, and every request in flight with it), refused before it is tried."""
+    another architecture or expert count. The engine's modules are the base's, so such a load could at best fail
+    part way through; it is refused before vLLM tries."""
     config, served = checkpoint_config(path), checkpoint_config(base)
     if config is None or served is None:
         return None

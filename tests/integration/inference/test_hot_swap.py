@@ -233,8 +233,7 @@ async def test_listed_model_that_cannot_be_loaded_answers_why_and_the_base_still
                                                               path=str(broken)), PROMPTS[0])  # fmt: skip
         lora = await _openai_completion(backend, ModelVersion(name="job-gone", version=1, kind="lora",
                                                               path=str(missing)), PROMPTS[0])  # fmt: skip
-        # A checkpoint of another architecture (mixture of experts into this dense engine): refused before vLLM 0.32.0
-        # on CPU would try (and kill its EngineCore).
+        # A checkpoint of another architecture (mixture of experts into this dense engine): refused before vLLM tries.
         moe = family_models["qwen3-moe"]
         experts = await _openai_completion(backend, ModelVersion(name="job-moe", version=1, kind="full",
                                                                  path=str(moe)), PROMPTS[0])  # fmt: skip
