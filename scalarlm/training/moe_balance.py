@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 
-def _routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The router of every MoE layer of a megatron GPTModel, in layer order."""
     return [layer.mlp.router for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
 
 
@@ -44,7 +45,7 @@ class BalanceMeter:
     nor in activation recompute during backward): wraps each router's `routing`."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.routers = _routers(model)
+        self.routers = moe_routers(model)
         self.active = False
         self.layer_sum = 0.0  # sum over micro-batches of T x sum over layers
         self.tokens = 0

@@ -21,6 +21,8 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
+from scalarlm.training.moe_balance import moe_routers
+
 
 class RoutingReplay:
     """Records each micro-batch's expert choices on a batch's first pass; replays (if `replay`) and compares them on
@@ -30,7 +32,7 @@ class RoutingReplay:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         self.action = RouterReplayAction
-        self.routers = [layer.mlp.router for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
+        self.routers = moe_routers(model)
         self.replay = replay
         self.recorded: list[list[Tensor]] = []  # [micro-batch][MoE layer] -> [tokens, top k] expert ids
         self.counts = torch.zeros(2, dtype=torch.float64)  # changed, compared (since the last `take_counts`)
