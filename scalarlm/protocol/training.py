@@ -150,10 +150,6 @@ def _refuse_unsupported(args: TrainArgs) -> None:
     if args.distribution_strategy == "ddp" and args.tensor_parallel_size > 1:
         raise ValueError("distribution_strategy 'ddp' is data parallel only; use 'megatron' with "
                          f"tensor_parallel_size {args.tensor_parallel_size}")
-    if args.expert_parallel_size > 1 and args.loss != "sft":
-        raise ValueError(f"expert_parallel_size > 1 is supported for loss 'sft' only, not {args.loss!r}: RL rows split "
-                         "over the ranks by group, unevenly, and the expert dispatcher needs every rank in every "
-                         "forward; use expert_parallel_size 1 (data parallelism works for MoE RL)")  # fmt: skip
     if args.loss == "sft" and (args.num_iterations > 1 or args.routing_replay):
         raise ValueError("num_iterations and routing_replay are GRPO settings (loss 'grpo' or 'dr_grpo'); SFT takes one "
                          "optimizer step per batch")

@@ -65,11 +65,6 @@ class RLSessions:
         if request.model_name is not None:
             params.setdefault("llm_name", request.model_name)
         args = parse_train_args(params, self.jobs.settings.training)
-        if args.expert_parallel_size > 1:
-            # A session's batches split over the ranks by group, unevenly, and the EP dispatcher needs every rank
-            # in every forward.
-            raise InvalidRequest("expert_parallel_size > 1 is not supported for RL sessions (SFT jobs only); use "
-                                 "expert_parallel_size 1 (data parallelism works)", param="train_args")  # fmt: skip
         if args.num_iterations > 1:
             raise InvalidRequest("num_iterations > 1 is not supported for RL sessions: each step request is one "
                                  "optimizer step; send the batch again for another", param="train_args")  # fmt: skip

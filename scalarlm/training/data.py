@@ -162,7 +162,9 @@ class BlockStream:
 @dataclass
 class MicroBatch:
     """Tensors for one forward pass: [B, L] ids/labels/loss mask/positions, and either a [B, 1, L, L] mask
-    (True = hidden; padded layout) or, padding-free, B = 1 and `doc_bounds` (document offsets, then the end)."""
+    (True = hidden; padded layout) or, padding-free, B = 1 and `doc_bounds` (document offsets, then the end).
+    `filler`: one pad token that trains nothing (`filler_micro`), run so that every rank of an expert-parallel group
+    takes part in as many forward and backward passes."""
 
     tokens: Tensor
     labels: Tensor
@@ -170,6 +172,7 @@ class MicroBatch:
     position_ids: Tensor
     attention_mask: Tensor | None
     doc_bounds: tuple[int, ...] | None = None
+    filler: bool = False
 
     def to(self, device: torch.device) -> "MicroBatch":
         moved = {k: v.to(device, non_blocking=True) if isinstance(v, Tensor) else v for k, v in vars(self).items()}
@@ -234,6 +237,22 @@ def collate_packed(blocks: Sequence[Block], pad_id: int) -> MicroBatch:
                       row(positions, torch.long), None, tuple(bounds))  # fmt: skip
 
 
+def filler_micro(pad_id: int) -> MicroBatch:
+    """A padding-free micro-batch of one pad token with nothing to learn (loss mask 0)."""
+    one = torch.full((1, 1), pad_id, dtype=torch.long)
+    return MicroBatch(one, one.clone(), torch.zeros(1, 1), torch.zeros(1, 1, dtype=torch.long), None, (0, 1), True)
+
+
+def chunks(n: int, per_chunk: int, count: int | None = None) -> list[range]:
+    """Split `n` items, in order, into chunks of at most `per_chunk` (full ones, then the rest); with `count`, empty
+    ones after them up to that many (expert parallelism: the same partition as without, so the same load-balancing
+    loss, which depends on how tokens group into micro-batches)."""
+    out = [range(i, min(i + per_chunk, n)) for i in range(0, n, per_chunk)]
+    if count is not None and count < len(out):
+        raise ValueError(f"{n} items do not fit in {count} chunks of at most {per_chunk}")
+    return out + [range(n, n)] * ((count or 0) - len(out))
+
+
 @dataclass(frozen=True)
 class StepBatch:
     """This rank's micro-batches of one step, and counts over the whole global batch."""
@@ -256,11 +275,16 @@ def step_batch(
     return StepBatch(micro, loss_tokens, sum(len(b.tokens) for b in blocks))
 
 
-def spread_batch(blocks: Sequence[Block], batch_size: int, dp_size: int, dp_rank: int, pad_id: int) -> StepBatch:
+def spread_batch(blocks: Sequence[Block], batch_size: int, dp_size: int, dp_rank: int, pad_id: int,
+                 even: bool = False) -> StepBatch:  # fmt: skip
     """All of `blocks` as one global batch (a session request's): this DP rank's blocks r, r + DP, ..., padding-free,
-    `batch_size` blocks per micro-batch (a rank may get none when there are fewer blocks than ranks)."""
+    `batch_size` blocks per micro-batch (a rank may get none when there are fewer blocks than ranks). `even` (expert
+    parallelism): every rank gets as many micro-batches, fillers first where it has fewer."""
     mine = list(blocks[dp_rank::dp_size])
-    micro = [collate_packed(mine[i : i + batch_size], pad_id) for i in range(0, len(mine), batch_size)]
+    count = max(1, -(-len(blocks[::dp_size]) // batch_size)) if even else None  # rank 0 holds the most blocks
+    spans = chunks(len(mine), batch_size, count)
+    micro = [filler_micro(pad_id) for s in spans if not s] + [collate_packed(mine[s.start : s.stop], pad_id)
+                                                              for s in spans if s]  # fmt: skip
     loss_tokens = sum(sum(b.targets[1:]) for b in blocks) - _cross_doc_targets(blocks)
     return StepBatch(micro, loss_tokens, sum(len(b.tokens) for b in blocks))
 

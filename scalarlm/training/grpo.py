@@ -25,7 +25,7 @@ from torch import Tensor
 from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.protocol.training import RLRow
 from scalarlm.training.chat import prompt_ids
-from scalarlm.training.data import Document, MicroBatch, collate_packed, pack
+from scalarlm.training.data import Document, MicroBatch, chunks, collate_packed, filler_micro, pack
 from scalarlm.training.rows import Row, read_rl_objects, rl_row_from_object
 
 ADV_EPS = 1e-4
@@ -185,21 +185,26 @@ def doc_token_inputs(doc: RLDoc, weight: float) -> Tensor:
 
 
 def rl_micro_batches(
-    docs: Sequence[RLDoc], weights: Sequence[float], max_len: int, blocks_per_micro: int, pad_id: int
+    docs: Sequence[RLDoc], weights: Sequence[float], max_len: int, blocks_per_micro: int, pad_id: int,
+    count: int | None = None,
 ) -> list[RLMicroBatch]:
     """The documents packed end to end as SFT's (`data.pack` into blocks of at most `max_len` tokens, in order),
     `blocks_per_micro` blocks per padding-free micro-batch (`collate_packed`: attention within each document); each
-    document's advantages, sampling logprobs and weights ride along at its own positions."""
+    document's advantages, sampling logprobs and weights ride along at its own positions. With `count`: exactly that
+    many micro-batches: the same ones, after fillers (`data.filler_micro`) where the blocks make fewer."""
     blocks = pack([d.doc for d in docs], range(len(docs)), max_len, packing=True)
     inputs = [doc_token_inputs(d, w) for d, w in zip(docs, weights)]
-    out, first = [], 0
-    for start in range(0, len(blocks), blocks_per_micro):
-        chunk = blocks[start : start + blocks_per_micro]
+    out, fillers, first = [], [], 0
+    for span in chunks(len(blocks), blocks_per_micro, count):
+        if not span:
+            fillers.append(RLMicroBatch(filler_micro(pad_id), *torch.zeros(4, 1, 1)))
+            continue
+        chunk = blocks[span.start : span.stop]
         n_docs = sum(len(b.doc_starts) for b in chunk)  # pack keeps the order: these are the next n_docs documents
         per_token = torch.cat(inputs[first : first + n_docs], dim=1).unsqueeze(1)  # [4, 1, T]
         first += n_docs
         out.append(RLMicroBatch(collate_packed(chunk, pad_id), *per_token))
-    return out
+    return fillers + out
 
 
 def grpo_objective(

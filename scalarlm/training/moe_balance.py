@@ -92,3 +92,21 @@ def aux_loss_scale(global_tokens: int) -> None:
 
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / max(global_tokens, 1)))
     get_moe_layer_wise_logging_tracker().clear()
+
+
+@contextmanager
+def no_aux_gradient() -> Iterator[None]:
+    """Around the backward of a micro-batch that must train nothing (an expert-parallel filler): its aux loss gets a
+    zero scale, then the step's scale is back."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+    saved = None if scale is None else scale.clone()
+    MoEAuxLossAutoScaler.set_loss_scale(torch.zeros(()))
+    try:
+        yield
+    finally:
+        if saved is None:
+            MoEAuxLossAutoScaler.main_loss_backward_scale = None
+        else:
+            MoEAuxLossAutoScaler.set_loss_scale(saved)

@@ -10,6 +10,7 @@ choices are recorded, compared with and, with `routing_replay`, replayed (`moe_r
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -17,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from scalarlm.training.data import MicroBatch
+from scalarlm.training.data import MicroBatch, pack
 from scalarlm.training.grpo import (
+    RLDoc,
     RLMicroBatch,
     encode_rl_rows,
     grpo_objective,
@@ -32,6 +34,8 @@ from scalarlm.training.step import LossFn, run_step
 
 if TYPE_CHECKING:
     from scalarlm.training.loop import Trainer
+
+logger = logging.getLogger(__name__)
 
 # Blocks of `max_len` tokens per forward pass in an RL step (at least; `batch_size` if larger).
 MIN_ROWS_PER_MICRO = 8
@@ -57,12 +61,25 @@ def rl_batch(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> RLBatch:
     rows = parse_rl_rows(raw_rows)
     docs, stats = encode_rl_rows(trainer.tokenizer, rows, args.loss, trainer.max_len)
     weights = token_weights(docs, args.loss)
-    mine = list(range(par.dp_rank, len(docs), par.dp_size))
-    micro = rl_micro_batches([docs[i] for i in mine], [weights[i] for i in mine], trainer.max_len,
-                             max(args.batch_size, MIN_ROWS_PER_MICRO), trainer.pad_id)  # fmt: skip
+    per_micro = max(args.batch_size, MIN_ROWS_PER_MICRO)
+    count = _micro_count(docs, par.dp_size, trainer.max_len, per_micro) if par.ep_size > 1 else None
+    micro = rl_micro_batches(docs[par.dp_rank :: par.dp_size], weights[par.dp_rank :: par.dp_size], trainer.max_len,
+                             per_micro, trainer.pad_id, count)  # fmt: skip
+    fillers = sum(m.batch.filler for m in micro)
+    if fillers:
+        logger.info("expert parallelism: %d filler micro-batch(es) on DP rank %d (%d micro-batches on every rank)",
+                    fillers, par.dp_rank, len(micro))  # fmt: skip
     if trainer.routing is not None:
         trainer.routing.new_batch()
     return RLBatch(micro, stats, sum(len(d.doc.tokens) for d in docs))
+
+
+def _micro_count(docs: list[RLDoc], dp_size: int, max_len: int, per_micro: int) -> int:
+    """The most micro-batches any DP rank's share of `docs` packs into (every rank computes the same number: all
+    ranks hold every document)."""
+    blocks = [len(pack([d.doc for d in docs[r::dp_size]], range(len(docs[r::dp_size])), max_len, packing=True))
+              for r in range(dp_size)]  # fmt: skip
+    return max(1, max(-(-n // per_micro) for n in blocks))
 
 
 def _reference_logp(trainer: "Trainer", batch: MicroBatch) -> Tensor:

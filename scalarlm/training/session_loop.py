@@ -60,7 +60,8 @@ def sft_batch(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> StepBatch:
     rows = [parse_row(json.dumps(r), i + 1) for i, r in enumerate(raw_rows)]
     docs, _ = encode_rows(trainer.tokenizer, rows, trainer.max_len)
     blocks = pack(docs, range(len(docs)), trainer.max_len, trainer.args.pack)
-    return spread_batch(blocks, trainer.args.batch_size, trainer.par.dp_size, trainer.par.dp_rank, trainer.pad_id)
+    par = trainer.par
+    return spread_batch(blocks, trainer.args.batch_size, par.dp_size, par.dp_rank, trainer.pad_id, even=par.ep_size > 1)
 
 
 def session_step(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -8,6 +8,9 @@ then one optimizer step. What differs between the losses is only their micro-bat
   Megatron issues that all-reduce when every param has reported its grads the same number of times as in the first
   step, so every step runs exactly one backward with sync on: a rank with no micro-batch (fewer documents than DP
   ranks) backpropagates a zero through every param instead of running a forward nobody needs.
+* Expert parallelism: every rank of an expert group must run as many forwards and backwards (the dispatcher's
+  collectives). A rank short of micro-batches runs fillers (`data.filler_micro`): one pad token whose loss, stats,
+  load-balancing metric and aux gradient are zero, backpropagated through every param.
 * Stats: each loss function returns a fixed-length float64 vector summed over micro-batches and, in one
   all-reduce, over DP ranks (the loss itself is its first entry). Mixture-of-experts models add the load-balancing
   loss (`moe_balance`) to that all-reduce; with `moe_aux_loss_coef` > 0 each micro-batch's aux loss is weighted by
@@ -28,7 +31,7 @@ from torch import Tensor
 
 from scalarlm.training.data import MicroBatch
 from scalarlm.training.losses import token_losses
-from scalarlm.training.moe_balance import aux_loss_scale
+from scalarlm.training.moe_balance import aux_loss_scale, no_aux_gradient
 
 if TYPE_CHECKING:
     from scalarlm.training.loop import Trainer
@@ -54,11 +57,16 @@ def overlaps_all_reduce(ddp: torch.nn.Module) -> bool:
     return bool(getattr(getattr(ddp, "ddp_config", None), "overlap_grad_reduce", False))
 
 
+def _zero_term(ddp: torch.nn.Module) -> Tensor:
+    """A zero that depends on every trained param: backpropagated, each reports a zero grad."""
+    params = [p for p in ddp.parameters() if p.requires_grad]
+    return torch.stack([p.reshape(-1)[0] for p in params]).mul(0.0).sum()
+
+
 def _zero_backward(ddp: torch.nn.Module) -> None:
     """Backpropagate a zero through every trained param (a rank without data still reports its grads, so the
     overlapped all-reduce of the other ranks' grads runs: no forward pass)."""
-    params = [p for p in ddp.parameters() if p.requires_grad]
-    torch.stack([p.reshape(-1)[0] for p in params]).mul(0.0).sum().backward()
+    _zero_term(ddp).backward()
 
 
 def run_step(trainer: "Trainer", micro_batches: Sequence[MicroBatch], loss_fn: LossFn, n_stats: int,
@@ -76,13 +84,17 @@ def run_step(trainer: "Trainer", micro_batches: Sequence[MicroBatch], loss_fn: L
     last = len(micro_batches) - 1
     for i, micro in enumerate(micro_batches):
         micro = micro.to(par.device)
+        measured = balance is not None and not micro.filler
         with nullcontext() if i == last else ddp.no_sync():  # the last backward starts the all-reduce
-            with balance.forward_pass() if balance is not None else nullcontext():
+            with balance.forward_pass() if measured else nullcontext():
                 with around_forward(i) if around_forward is not None else nullcontext():
                     token_loss = token_losses(ddp, micro)
             loss, stats = loss_fn(i, micro, token_loss)
-            loss.backward()
-        sums += stats.to(sums.device, torch.float64)
+            if micro.filler:  # trains nothing, but every param reports (a rank may have only fillers)
+                loss = loss * 0.0 + _zero_term(ddp)
+            with no_aux_gradient() if micro.filler and balance is not None else nullcontext():
+                loss.backward()
+        sums += stats.to(sums.device, torch.float64) * (not micro.filler)
     if not micro_batches and overlaps_all_reduce(ddp):
         _zero_backward(ddp)
     lr, grad_norm = trainer.optimizer_step()
@@ -100,7 +112,8 @@ def run_step(trainer: "Trainer", micro_batches: Sequence[MicroBatch], loss_fn: L
 
 def _global_tokens(micro_batches: Sequence[MicroBatch], par) -> int:
     """Tokens in this step's micro-batches on every DP rank."""
-    count = torch.tensor([sum(m.tokens.numel() for m in micro_batches)], dtype=torch.int64, device=par.device)
+    count = torch.tensor([sum(m.tokens.numel() for m in micro_batches if not m.filler)], dtype=torch.int64,
+                         device=par.device)  # fmt: skip
     if par.dp_size > 1:
         dist.all_reduce(count, group=par.dp_group)
     return int(count)

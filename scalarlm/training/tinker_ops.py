@@ -292,6 +292,9 @@ def load_state(trainer: "Trainer", request: dict[str, Any]) -> dict[str, Any]:
 def run_op(trainer: "Trainer", request: dict[str, Any]) -> dict[str, Any]:
     """Dispatch one Tinker primitive."""
     op = request.get("op")
+    if trainer.par.ep_size > 1:
+        raise InvalidRequest(f"session op {op!r} is not supported at expert_parallel_size > 1 (a datum per rank "
+                             "cannot keep an expert group's ranks in step); use expert_parallel_size 1", param="op")
     if op == "forward_backward":
         return forward_backward(trainer, request, backward=True)
     if op == "forward":

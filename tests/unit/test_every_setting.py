@@ -116,8 +116,10 @@ EVIDENCE: dict[str, list[str]] = {
         RESOURCES,  # a GPU cluster gives a job one GPU per tensor-parallel rank
         "tests/unit/launcher/test_sbatch_script.py::test_tensor_parallel_group_must_fit_in_a_node",
     ],
-    "TrainArgs.expert_parallel_size": [  # EP=2 trains like one rank; sizes the model cannot take are 400s
+    "TrainArgs.expert_parallel_size": [  # EP=2 trains like one rank / DP=2 (SFT, GRPO, sessions); bad sizes are 400s
         "tests/integration/training/test_moe_parity.py::test_two_rank_moe_sft_matches_one_rank_and_publishes_the_same_weights",
+        "tests/integration/training/test_moe_parity.py::test_grpo_at_ep2_trains_as_dp2_with_uneven_ranks_aux_loss_and_routing_replay",
+        "tests/integration/training/test_moe_parity.py::test_an_rl_session_at_ep2_steps_with_uneven_ranks_and_refuses_tinker_ops",
         "tests/unit/training/test_moe_family.py::test_an_expert_parallel_size_the_model_cannot_take_is_refused_at_submission",
     ],
     "TrainArgs.moe_aux_loss_coef": [  # metric = NumPy, gradient = the objective, EP=2 = DP=2; dense models: 400

@@ -13,6 +13,7 @@ on the recorded experts) and GRPO over several steps per batch with it off and o
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -250,3 +251,88 @@ def test_grpo_steps_over_one_batch_record_compare_and_replay_the_routing(moe_mod
     assert (abs(off[1]["grad_norm"] - on[1]["grad_norm"]) > 1e-6 * off[1]["grad_norm"]) == moved, (off[1], on[1])
     print("changed fraction off / on:", [r.get("moe_routing_changed_fraction") for r in off],
           [r.get("moe_routing_changed_fraction") for r in on])
+
+
+def uneven_grpo_rows() -> list[dict]:
+    """9 groups of a short answer and a long one (about one 64-token block each): DP rank 0 gets every short answer
+    (1 block), rank 1 every long one (9 blocks: 2 micro-batches of at most 8), so at EP=2 rank 0 runs a filler."""
+    rows = []
+    for i in range(9):
+        prompt = f"{i}="
+        rows += [{"prompt": prompt, "completion": " y", "reward": 0.0},
+                 {"prompt": prompt, "completion": " x" * 50, "reward": 1.0}]  # fmt: skip
+    return rows
+
+
+EP_GRPO = dict(MU, num_iterations=2, max_steps=2, batch_size=3, gradient_accumulation_steps=3, max_seq_len=64, routing_replay=True,
+               moe_aux_loss_coef=0.1, cpu_ranks=2)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_grpo_at_ep2_trains_as_dp2_with_uneven_ranks_aux_loss_and_routing_replay(moe_models: dict[str, Path],
+                                                                                tmp_path: Path) -> None:  # fmt: skip
+    """GRPO at expert_parallel_size 2 (real 2-rank trainers): the ranks' shares pack into 2 and 1 micro-batches, so
+    the short rank (0: the one that logs) runs a filler to keep the expert group's dispatcher in step. Loss, grad norm, load-balancing loss
+    and the replayed batch's routing-changed fraction equal DP=2's, step by step."""
+    from trainer_jobs import make_job, run_trainer, trainer_output
+
+    require_mpirun()
+    runs, logs = {}, {}
+    for name, extra in (("dp2", {}), ("ep2", {"expert_parallel_size": 2})):
+        job = make_job(tmp_path, f"grpo-{name}", moe_models["qwen3-moe"], uneven_grpo_rows(), **EP_GRPO, **extra)
+        assert run_trainer(job, 2, timeout=600) == 0, trainer_output(job)[-3000:]
+        assert job.read_status().status == "COMPLETED"
+        runs[name] = job.read_metrics()
+        logs[name] = "\n".join(p.read_text() for p in sorted((job.root / "logs").glob("rank-*.log")))
+    dp, ep = runs["dp2"], runs["ep2"]
+    assert "1 filler micro-batch(es) on DP rank 0 (2 micro-batches on every rank)" in logs["ep2"], logs["ep2"][-3000:]
+    assert "filler" not in logs["dp2"]
+    assert [r["step"] for r in ep] == [r["step"] for r in dp] == [1, 2]
+    assert [r["batch_step"] for r in ep] == [1, 2] and ep[0]["groups"] == 9
+    for a, b in zip(ep, dp):
+        for key in ("loss", "grad_norm", "moe_load_balancing_loss", "loss_tokens"):
+            assert abs(a[key] - b[key]) <= CURVE_TOLERANCE * max(1.0, abs(b[key])), (key, ep, dp)
+    assert abs(ep[1]["moe_routing_changed_fraction"] - dp[1]["moe_routing_changed_fraction"]) <= 1e-9, (ep, dp)
+    assert ep[0]["grad_norm"] > 0 and ep[1]["loss"] != ep[0]["loss"]
+
+
+@pytest.mark.slow
+def test_an_rl_session_at_ep2_steps_with_uneven_ranks_and_refuses_tinker_ops(moe_models: dict[str, Path], tmp_path: Path,
+                                                                           ) -> None:  # fmt: skip
+    """A GRPO session on tiny Qwen3-MoE at expert_parallel_size 2 (2 real ranks): the uneven batch (a filler on rank
+    0) takes its step, a Tinker primitive gets an error result that says what to change (it would leave the expert
+    group's ranks out of step), the next batch trains, `end` completes the session."""
+    from trainer_jobs import start_trainer, trainer_output, wait_for
+
+    from scalarlm.checkpoint import JobDir
+    from scalarlm.checkpoint.session import SessionDir
+    from scalarlm.protocol.training import TrainArgs, TrainJobConfig
+
+    require_mpirun()
+    args = {k: v for k, v in EP_GRPO.items() if k not in ("num_iterations", "routing_replay", "max_steps")}
+    job = JobDir(tmp_path / "session-ep2")
+    job.create()
+    job.write_config(TrainJobConfig(job_id=job.job_id, base_model=str(moe_models["qwen3-moe"]), session=True,
+                                    train_args=TrainArgs(**args, expert_parallel_size=2)))  # fmt: skip
+    job.dataset_path.write_text("")
+    files = SessionDir(job)
+    files.create()
+    proc = start_trainer(job, 2)
+    try:
+        results = {}
+        for k, rows in {1: uneven_grpo_rows(), 2: [{"op": "forward", "data": []}], 3: uneven_grpo_rows()}.items():
+            files.write_request(k, rows)
+            wait_for(lambda: files.result_path(k).exists() or proc.poll() is not None, 300, f"result {k}")
+            assert files.result_path(k).exists(), trainer_output(job)[-3000:]
+            results[k] = files.read_result(k)
+        files.request_end()
+        assert proc.wait(timeout=120) == 0, trainer_output(job)[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    assert results[1].error is None and results[3].error is None and results[3].version == 2
+    assert "not supported at expert_parallel_size > 1" in results[2].error, results[2]
+    first = results[1].metrics
+    assert first["groups"] == 9 and first["moe_load_balancing_loss"] > 0
+    assert job.read_status().status == "COMPLETED" and [r["step"] for r in job.read_metrics()] == [1, 2]

@@ -10,6 +10,8 @@ import torch
 
 from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.training.data import (
+    chunks,
+    filler_micro,
     BlockStream,
     Document,
     collate,
@@ -146,3 +148,27 @@ def test_a_session_batch_spreads_its_blocks_over_ranks_padding_free() -> None:
     seen = sorted(t for r in ranks for m in r.micro_batches for t in m.tokens[0].tolist())
     assert seen == sorted(t for b in blocks for t in b.tokens)
     assert spread_batch(blocks[:1], 2, dp_size=2, dp_rank=1, pad_id=0).micro_batches == []  # nothing for rank 1
+
+
+def test_chunks_are_full_then_the_rest_and_empty_up_to_the_count_asked() -> None:
+    assert chunks(7, 3) == [range(0, 3), range(3, 6), range(6, 7)]
+    assert chunks(7, 4, count=3) == [range(0, 4), range(4, 7), range(7, 7)]
+    assert chunks(0, 4, count=2) == [range(0, 0), range(0, 0)]
+    with pytest.raises(ValueError, match="do not fit in 2 chunks of at most 3"):
+        chunks(7, 3, count=2)
+
+
+def test_under_expert_parallelism_every_rank_gets_as_many_micro_batches_fillers_first() -> None:
+    """A session batch of 5 blocks over 2 ranks, 2 blocks per micro-batch: rank 0 has 3 blocks (2 micro-batches),
+    rank 1 two (1 micro-batch, as without EP), so rank 1 runs a filler first, one pad token that trains nothing."""
+    blocks = pack(_docs(20), range(20), max_len=12, packing=True)[:5]
+    ranks = [spread_batch(blocks, 2, dp_size=2, dp_rank=r, pad_id=0, even=True) for r in range(2)]
+    plain = [spread_batch(blocks, 2, dp_size=2, dp_rank=r, pad_id=0) for r in range(2)]
+    assert [len(r.micro_batches) for r in ranks] == [2, 2] and [len(r.micro_batches) for r in plain] == [2, 1]
+    assert [m.filler for r in ranks for m in r.micro_batches] == [False, False, True, False]
+    assert torch.equal(ranks[1].micro_batches[1].tokens, plain[1].micro_batches[0].tokens)  # the same partition
+    filler = ranks[1].micro_batches[0]
+    assert filler.tokens.tolist() == [[0]] and filler.loss_mask.sum() == 0 and filler.doc_bounds == (0, 1)
+    assert vars(filler).keys() == vars(filler_micro(0)).keys()
+    (alone,) = spread_batch(blocks[:1], 2, dp_size=2, dp_rank=1, pad_id=0, even=True).micro_batches
+    assert alone.filler  # a rank with no block at all

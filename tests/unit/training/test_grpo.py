@@ -207,3 +207,23 @@ def test_packed_micro_batches_split_documents_in_order_without_padding(tiny_mode
         n = len(d.doc.tokens)
         assert torch.all(advs[offset : offset + n][masks[offset : offset + n] > 0] == d.advantage)
         offset += n
+
+
+def test_asked_for_a_count_the_micro_batches_are_the_same_after_fillers(tiny_model_dir: Path) -> None:
+    """Expert parallelism asks every rank for the same number of micro-batches: the same micro-batches as without
+    a count, after fillers (one pad token, zero weight and advantage) up to it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = parse_rl_rows([{"prompt": f"{i}+{i}=", "completion": " x" * (1 + i % 5), "reward": float(i % 3),
+                           "group": str(i // 3)} for i in range(12)])  # fmt: skip
+    docs, _ = encode_rl_rows(tok, rows, "grpo", max_len=32)
+    weights = token_weights(docs, "grpo")
+    natural = rl_micro_batches(docs, weights, 32, 2, pad_id=0)
+    padded = rl_micro_batches(docs, weights, 32, 2, pad_id=0, count=len(natural) + 2)
+    assert [m.batch.filler for m in padded] == [True, True] + [False] * len(natural)
+    for a, b in zip(padded[2:], natural):
+        assert torch.equal(a.batch.tokens, b.batch.tokens) and torch.equal(a.weights, b.weights)
+    assert all(m.weights.sum() == 0 and m.advantages.sum() == 0 and m.batch.tokens.shape == (1, 1) for m in padded[:2])
+    with pytest.raises(ValueError, match="do not fit"):
+        rl_micro_batches(docs, weights, 32, 2, pad_id=0, count=len(natural) - 1)
