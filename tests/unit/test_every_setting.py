@@ -120,6 +120,7 @@ EVIDENCE: dict[str, list[str]] = {
         "tests/integration/training/test_moe_parity.py::test_two_rank_moe_sft_matches_one_rank_and_publishes_the_same_weights",
         "tests/integration/training/test_moe_parity.py::test_grpo_at_ep2_trains_as_dp2_with_uneven_ranks_aux_loss_and_routing_replay",
         "tests/integration/training/test_moe_parity.py::test_an_rl_session_at_ep2_steps_with_uneven_ranks_and_refuses_tinker_ops",
+        "tests/integration/training/test_moe_parity.py::test_a_grpo_job_at_ep2_saved_inside_a_batch_resumes_there",
         "tests/unit/training/test_moe_family.py::test_an_expert_parallel_size_the_model_cannot_take_is_refused_at_submission",
     ],
     "TrainArgs.moe_aux_loss_coef": [  # metric = NumPy, gradient = the objective, EP=2 = DP=2; dense models: 400

@@ -336,3 +336,29 @@ def test_an_rl_session_at_ep2_steps_with_uneven_ranks_and_refuses_tinker_ops(moe
     first = results[1].metrics
     assert first["groups"] == 9 and first["moe_load_balancing_loss"] > 0
     assert job.read_status().status == "COMPLETED" and [r["step"] for r in job.read_metrics()] == [1, 2]
+
+
+@pytest.mark.slow
+def test_a_grpo_job_at_ep2_saved_inside_a_batch_resumes_there(moe_models: dict[str, Path], tmp_path: Path) -> None:
+    """GRPO at EP=2 with routing replay, two batches of two steps: a job whose state was saved after step 3 (inside
+    the second batch, each rank holding its own experts' optimizer state) resumes at EP=2 and takes the second batch
+    again for step 4; steps 1-3 are the uninterrupted job's."""
+    from trainer_jobs import make_job, run_trainer, trainer_output
+
+    require_mpirun()
+    rows = uneven_grpo_rows() + [dict(r, prompt="1" + r["prompt"], reward=2 * r["reward"]) for r in uneven_grpo_rows()]
+    args = dict(EP_GRPO, max_steps=4, steps_per_checkpoint=4, expert_parallel_size=2)
+    whole = make_job(tmp_path, "ep-whole", moe_models["qwen3-moe"], rows, **args)
+    assert run_trainer(whole, 2, timeout=600) == 0, trainer_output(whole)[-3000:]
+    split = make_job(tmp_path, "ep-split", moe_models["qwen3-moe"], rows, **dict(args, max_steps=3,
+                                                                                   steps_per_checkpoint=3))
+    assert run_trainer(split, 2, timeout=600) == 0, trainer_output(split)[-3000:]
+    config = split.read_config()
+    split.write_config(config.model_copy(update={"train_args": config.train_args.model_copy(update={"max_steps": 4})}))
+    assert run_trainer(split, 2, timeout=600) == 0, trainer_output(split)[-3000:]
+    a, b = whole.read_metrics(), split.read_metrics()
+    assert [r["step"] for r in b] == [1, 2, 3, 4] and [r["batch_step"] for r in b] == [1, 2, 1, 2]
+    for x, y in zip(a[:3], b[:3]):
+        assert abs(x["loss"] - y["loss"]) <= CURVE_TOLERANCE and abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4, (a, b)
+    assert b[3]["reward_mean"] == a[3]["reward_mean"] != a[1]["reward_mean"]  # the second batch, again
+    assert split.read_status().status == "COMPLETED" and (split.step_dir(4) / "model.safetensors").exists()
