@@ -5,6 +5,6 @@
 """
 
 from scalarlm.checkpoint.jobdir import JobDir
-from scalarlm.checkpoint.publish import latest_step, list_steps, publish_step, read_manifest
+from scalarlm.checkpoint.publish import latest_step, list_steps, publish_step, read_manifest, repair_latest
 
-__all__ = ["JobDir", "latest_step", "list_steps", "publish_step", "read_manifest"]
+__all__ = ["JobDir", "latest_step", "list_steps", "publish_step", "read_manifest", "repair_latest"]

@@ -57,14 +57,19 @@ def list_steps(job: JobDir) -> list[int]:
 
 
 def latest_step(job: JobDir) -> int | None:
-    """The newest complete step named by `checkpoints/latest` (falls back to a directory scan)."""
-    pointer = job.checkpoints_dir / "latest"
-    if pointer.exists():
-        name = pointer.read_text().strip()
-        if name.startswith("step-") and name[5:].isdigit() and (job.checkpoints_dir / name / "manifest.json").exists():
-            return int(name[5:])
+    """The newest complete step: the one `checkpoints/latest` names, or a newer renamed one (a crash between the
+    rename and the pointer's update leaves a complete step the pointer does not name yet)."""
     steps = list_steps(job)
     return steps[-1] if steps else None
+
+
+def repair_latest(job: JobDir) -> int | None:
+    """Point `checkpoints/latest` at the newest complete step if a crash left it behind; return that step."""
+    step = latest_step(job)
+    pointer = job.checkpoints_dir / "latest"
+    if step is not None and (not pointer.exists() or pointer.read_text().strip() != f"step-{step}"):
+        atomic_write_text(pointer, f"step-{step}\n")
+    return step
 
 
 def read_manifest(job: JobDir, step: int) -> CheckpointManifest:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from scalarlm.checkpoint import JobDir, latest_step
+from scalarlm.checkpoint import JobDir, latest_step, repair_latest
 from scalarlm.config import TrainingSettings
 from scalarlm.launcher.base import Launcher, cancel_requested, log_path, read_record, shutdown_requested
 from scalarlm.protocol.errors import EngineUnavailable
@@ -121,6 +121,7 @@ def reconcile_job(
         state, why = "finished", "the trainer was stopped by the control plane's shutdown"
     if state != "finished":
         return None
+    repair_latest(job)  # the trainer may have died between a checkpoint's rename and the pointer's update
     status = job.read_status()  # the trainer may have written its final status as it exited
     if status.terminal:
         return None

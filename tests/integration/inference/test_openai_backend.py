@@ -91,11 +91,15 @@ async def test_stream_matches_vllm(openai_backend: Any, vllm_server: httpx.Async
         assert resp.headers["content-type"].startswith("text/event-stream")
         theirs = [json.loads(e) for e in (await _sse_events(resp.aiter_bytes()))[:-1]]
 
-    assert len(ours) == len(theirs)
-    for mine, ref in zip(ours, theirs):
-        assert mine["system_fingerprint"] == "scalarlm-tiny-v0" and mine["scalarlm_version"] == 0
+    # How many tokens one chunk carries depends on timing (vLLM merges the outputs a slow reader has not taken yet),
+    # so the chunk counts may differ; the first chunk, the usage chunk and the joined text may not.
+    assert len(ours) >= 2 and len(theirs) >= 2
+    for mine, ref in [(ours[0], theirs[0]), (ours[-1], theirs[-1])]:
         assert set(_strip(mine)) == set(ref) - {"system_fingerprint"}
-        assert mine["object"] == ref["object"]
+    for mine in ours:
+        assert mine["system_fingerprint"] == "scalarlm-tiny-v0" and mine["scalarlm_version"] == 0
+        assert mine["object"] == theirs[0]["object"]
+        assert set(_strip(mine)) in [set(ref) - {"system_fingerprint"} for ref in theirs]
     assert ours[-1]["usage"] == theirs[-1]["usage"]
 
     def joined(chunks: list[dict[str, Any]]) -> str:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from scalarlm.checkpoint import JobDir, latest_step, list_steps, publish_step, read_manifest
+from scalarlm.checkpoint import JobDir, latest_step, list_steps, publish_step, read_manifest, repair_latest
 from scalarlm.protocol.training import CheckpointManifest, JobStatus
 
 
@@ -49,3 +49,16 @@ def test_publish_is_atomic_and_latest_moves(tmp_path):
     with pytest.raises(RuntimeError):
         publish_step(job, CheckpointManifest(job_id="j", step=6, base_model="b", kind="full"), crash)
     assert latest_step(job) == 5 and list_steps(job) == [5]  # the half step is invisible
+
+
+def test_a_crash_between_the_rename_and_the_pointer_leaves_the_renamed_step_latest(tmp_path):
+    job = JobDir.under(tmp_path, "j")
+    job.create()
+    for step in (3, 6):
+        publish_step(job, CheckpointManifest(job_id="j", step=step, base_model="b", kind="full"),
+                     lambda d: (d / "model.safetensors").write_bytes(b"w"))
+    (job.checkpoints_dir / "latest").write_text("step-3\n")  # step-6 renamed into place, the pointer not moved yet
+    assert latest_step(job) == 6 and list_steps(job) == [3, 6]
+    assert repair_latest(job) == 6 and (job.checkpoints_dir / "latest").read_text() == "step-6\n"
+    (job.checkpoints_dir / "latest").unlink()
+    assert repair_latest(job) == 6 and (job.checkpoints_dir / "latest").read_text() == "step-6\n"

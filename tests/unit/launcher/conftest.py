@@ -25,6 +25,16 @@ PROGRAMS = {
         print("RuntimeError: out of memory in step 3", flush=True)
         sys.exit(3)
     """,
+    # Renames step-2 into place, then dies before it points `latest` at it (the pointer still names step-1).
+    "crash_before_pointer": """
+        import json, sys, pathlib
+        job = pathlib.Path(sys.argv[1])
+        for step in (1, 2):
+            (job / "checkpoints" / f"step-{step}").mkdir(parents=True)
+            (job / "checkpoints" / f"step-{step}" / "manifest.json").write_text(json.dumps({"step": step}))
+        (job / "checkpoints" / "latest").write_text("step-1\\n")
+        sys.exit(9)
+    """,
     # Runs until SIGTERM, then writes CANCELLED (cancel.requested present), QUEUED (shutdown.requested) or FAILED,
     # like the trainer.
     "obedient": """

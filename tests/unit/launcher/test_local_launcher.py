@@ -31,6 +31,20 @@ def test_crashed_trainer_is_failed_with_exit_code_last_step_and_output(settings,
     assert "RuntimeError: out of memory" in launcher.logs(job)
 
 
+def test_a_trainer_killed_between_a_rename_and_the_pointer_leaves_latest_at_the_renamed_step(
+        settings, program, new_job, wait_for):
+    launcher = LocalLauncher(settings, entry=program("crash_before_pointer"))
+    job, config = new_job()
+    launcher.submit(job, config)
+
+    assert wait_for(lambda: launcher.state(job)[0] == "finished")
+    reconcile(settings.jobs_dir, {"local": launcher})
+
+    status = job.read_status()
+    assert status.status == "FAILED" and "(checkpoint step-2)" in status.reason, status.reason
+    assert (job.checkpoints_dir / "latest").read_text() == "step-2\n"
+
+
 def test_completed_job_is_left_alone(settings, program, new_job, wait_for):
     launcher = LocalLauncher(settings, entry=program("complete"))
     job, config = new_job()
