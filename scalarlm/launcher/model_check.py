@@ -31,6 +31,6 @@ def check_base_model(base_model: str, args: TrainArgs) -> None:
         raise InvalidRequest(f"base model {path.name}: {e.message}", param=e.param or "model") from None
     check_tensor_parallel(arch, args.tensor_parallel_size)
     expert_rank(arch, 0, args.expert_parallel_size)
-    check_moe_training(arch, args.tensor_parallel_size, args.moe_aux_loss_coef, args.routing_replay)
+    check_moe_training(arch, args.moe_aux_loss_coef, args.routing_replay)
     if args.adapter_type == "lora":
         lora_targets(family_of(arch), args.lora_config.target_modules)

@@ -178,6 +178,29 @@ class MicroBatch:
         moved = {k: v.to(device, non_blocking=True) if isinstance(v, Tensor) else v for k, v in vars(self).items()}
         return MicroBatch(**moved)
 
+    def padded(self, pad: int) -> tuple["MicroBatch", Tensor]:
+        """This micro-batch with `pad` more positions at the end that no other position sees and nothing learns
+        from (packed: a document of their own), and the [B, L + pad] padding mask (True on them)."""
+        rows, length = self.tokens.shape
+        device = self.tokens.device
+        if pad == 0:
+            return self, torch.zeros(rows, length, dtype=torch.bool, device=device)
+
+        def grow(t: Tensor, value: float) -> Tensor:
+            return torch.cat([t, t.new_full((rows, pad), value)], dim=1)
+
+        mask = None
+        if self.attention_mask is not None:  # True = hidden
+            mask = self.attention_mask.new_ones(rows, 1, length + pad, length + pad)
+            mask[:, :, :length, :length] = self.attention_mask
+            extra = torch.arange(length, length + pad, device=device)
+            mask[:, :, extra, extra] = False  # each added position sees itself (no empty softmax row)
+        positions = torch.cat([self.position_ids, torch.arange(pad, device=device).expand(rows, -1)], dim=1)
+        bounds = None if self.doc_bounds is None else (*self.doc_bounds, length + pad)
+        grown = MicroBatch(grow(self.tokens, 0), grow(self.labels, 0), grow(self.loss_mask, 0.0), positions, mask,
+                           bounds, self.filler)  # fmt: skip
+        return grown, (torch.arange(length + pad, device=device) >= length).expand(rows, -1)
+
 
 def _segments(block: Block, length: int) -> tuple[list[int], list[int]]:
     """Per position: the document index (padding is one extra segment) and the position within it."""

@@ -26,7 +26,7 @@ from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.protocol.training import RLRow
 from scalarlm.training.chat import prompt_ids
 from scalarlm.training.data import Document, MicroBatch, chunks, collate_packed, filler_micro, pack
-from scalarlm.training.rows import Row, read_rl_objects, rl_row_from_object
+from scalarlm.training.rows import read_rl_objects, rl_row_from_object
 
 ADV_EPS = 1e-4
 

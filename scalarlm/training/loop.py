@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from scalarlm.checkpoint import JobDir, latest_step, publish_step
 from scalarlm.checkpoint.staging import STAGING_ENV, StagedPublisher
-from scalarlm.protocol.training import CheckpointManifest, TrainArgs, TrainJobConfig
+from scalarlm.protocol.training import CheckpointManifest, TrainJobConfig
 from scalarlm.training import hf_io
 from scalarlm.training.convert import mark_tensor_parallel
 from scalarlm.training import lora
@@ -39,7 +39,7 @@ from scalarlm.training.rl_step import RLBatch, grpo_step, rl_batch
 from scalarlm.training.losses import sft_loss
 from scalarlm.training.notify import notify_published
 from scalarlm.training.families import check_moe_training, expert_rank
-from scalarlm.training.model import build_gpt_model, model_arch
+from scalarlm.training.model import build_gpt_model, model_arch, sequence_parallel
 from scalarlm.training.moe_balance import BalanceMeter
 from scalarlm.training.moe_replay import RoutingReplay
 from scalarlm.training.optim import build_optimizer, wrap_data_parallel
@@ -67,7 +67,7 @@ class Trainer:
         self.base_config = hf_io.read_config(self.base)
         # This rank's view of the model: with expert parallelism, its share of the experts (numbered locally).
         self.arch = expert_rank(model_arch(self.base), par.ep_rank, par.ep_size)
-        check_moe_training(self.arch, par.tp_size, args.moe_aux_loss_coef, args.routing_replay)
+        check_moe_training(self.arch, args.moe_aux_loss_coef, args.routing_replay)
         self.bf16 = par.on_gpu and args.dtype != "float32"
 
         self.tokenizer = tokenizer = AutoTokenizer.from_pretrained(self.base)
@@ -124,7 +124,8 @@ class Trainer:
         KL reference, which runs without autograd and so needs no activation recompute)."""
         recompute = trained and self.args.gradient_checkpointing
         model = build_gpt_model(self.arch, self.par.tp_size, self.bf16, recompute=recompute,
-                                aux_loss_coef=self.args.moe_aux_loss_coef if trained else 0.0)
+                                aux_loss_coef=self.args.moe_aux_loss_coef if trained else 0.0,
+                                sequence_parallel=sequence_parallel(self.arch, self.par.tp_size))  # fmt: skip
         # Each rank reads only the slices of the HF tensors its shard holds (no full copy of the model).
         mcore, read = load_rank_params(self.base, self.arch, self.par.tp_rank, self.par.tp_size)
         logger.info("rank %d read %d of %d checkpoint bytes", self.par.rank, read["bytes_read"], read["stored_bytes"])

@@ -14,15 +14,27 @@ from scalarlm.training.model import document_bounds
 
 
 def token_losses(model, batch: MicroBatch) -> Tensor:
-    """Per-token cross-entropy [B, L] of `batch` (vocab-parallel under TP, identical on every TP rank)."""
+    """Per-token cross-entropy [B, L] of `batch` (vocab-parallel under TP, identical on every TP rank).
+
+    Under sequence parallelism the length must divide by TP: the batch runs padded to it (`MicroBatch.padded`) and
+    the padding is cut off. megatron's padding mask goes with it, even when nothing is padded: the routers' load
+    balancing leaves the padding out, and with a mask megatron 0.16 weighs each rank's part of the aux loss by the
+    micro-batch's token count (as at TP=1) instead of the rank's own (half of it at TP=2; measured against TP=1)."""
+    config = model.config
+    pad, padding = 0, None
+    if config.sequence_parallel:
+        pad = -batch.tokens.shape[1] % config.tensor_model_parallel_size
+        batch, padding = batch.padded(pad)
     packed = document_bounds(batch.doc_bounds) if batch.doc_bounds is not None else None
-    return model(
+    out = model(
         batch.tokens,
         batch.position_ids,
         batch.attention_mask,
         labels=batch.labels,
         packed_seq_params=packed,
+        padding_mask=padding,
     )
+    return out[:, : out.shape[1] - pad]
 
 
 def sft_loss(per_token: Tensor, loss_mask: Tensor, global_loss_tokens: int) -> Tensor:

@@ -23,7 +23,8 @@ from scalarlm.training.families.modules import adapt
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelArch", "build_gpt_model", "check_tensor_parallel", "document_bounds", "model_arch", "transformer_config"]
+__all__ = ["ModelArch", "build_gpt_model", "check_tensor_parallel", "document_bounds", "model_arch", "sequence_parallel",
+           "transformer_config"]
 
 
 def model_arch(model_dir: Path) -> ModelArch:
@@ -33,9 +34,20 @@ def model_arch(model_dir: Path) -> ModelArch:
 _ACTIVATIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
 
 
-def transformer_config(arch: ModelArch, tp: int, bf16: bool, recompute: bool = False, aux_loss_coef: float = 0.0):
+def sequence_parallel(arch: ModelArch, tp: int) -> bool:
+    """Whether the trainer runs `arch` at `tp` under megatron's sequence parallelism: a mixture-of-experts model at
+    TP > 1 (megatron's MoE layer trains at TP > 1 only so: each TP rank routes its own share of the tokens, the
+    dispatcher gathers them for the TP-sharded experts); a dense model keeps every token on every TP rank."""
+    return bool(arch.num_experts) and tp > 1
+
+
+def transformer_config(arch: ModelArch, tp: int, bf16: bool, recompute: bool = False, aux_loss_coef: float = 0.0,
+                       sequence_parallel: bool = False):  # fmt: skip
     """The megatron TransformerConfig for `arch`: fusions off, per-token loss (the SFT loss sums over the batch).
 
+    `sequence_parallel`: between the attention and MLP blocks each TP rank holds 1/TP of the sequence (norms and
+    routers on its share; the linear layers gather and reduce-scatter it); a micro-batch's length must then divide
+    by TP (`losses.token_losses` pads it).
     `recompute` (train arg `gradient_checkpointing`): megatron's full activation recompute, one layer at a time:
     each layer keeps only its input and runs its forward again in backward (same gradients, less memory).
     `aux_loss_coef` (train arg `moe_aux_loss_coef`): the MoE load-balancing loss's weight (`moe_balance`).
@@ -63,6 +75,7 @@ def transformer_config(arch: ModelArch, tp: int, bf16: bool, recompute: bool = F
         hidden_dropout=0.0,
         attention_dropout=arch.attention_dropout,
         tensor_model_parallel_size=tp,
+        sequence_parallel=sequence_parallel,
         bf16=bf16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -196,28 +209,48 @@ def _per_document_rope(freqs: Tensor, position_ids: Tensor) -> Tensor:
     return table[position_ids.t()].unsqueeze(2)
 
 
-def _layer_specs(arch: ModelArch):
-    """megatron's local layer spec (SDPA core attention), per layer: the MoE one on `arch`'s sparse layers."""
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm (what megatron's local spec builds without TransformerEngine or apex), under a constructor
+    that accepts sequence parallelism: its weight is marked `sequence_parallel`, so megatron's `finalize_model_grads`
+    sums its grad over TP (each rank normalises its own tokens). megatron's own wrapper refuses sequence
+    parallelism."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_: object) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def _layer_specs(arch: ModelArch, sequence_parallel: bool = False):
+    """megatron's local layer spec (SDPA core attention), per layer: the MoE one on `arch`'s sparse layers (with
+    `sequence_parallel`, norms that accept it)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+
+    norm = SequenceParallelRMSNorm if sequence_parallel else None
 
     def spec(experts: int | None):
         layer = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm",
                                          qk_layernorm=arch.qk_layernorm)  # fmt: skip
         # SDPA instead of megatron's unfused baddbmm + masked softmax + bmm (same maths, one fused kernel).
-        layer.submodules.self_attention.submodules.core_attention = _sdpa_attention_class(arch)
+        attention = layer.submodules.self_attention.submodules
+        attention.core_attention = _sdpa_attention_class(arch)
+        if norm is not None:
+            layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = norm
+            if arch.qk_layernorm:
+                attention.q_layernorm = attention.k_layernorm = norm
         return layer
 
-    if not arch.num_experts:
+    if not arch.num_experts and norm is None:
         return spec(None)
-    dense, sparse = spec(None), spec(arch.num_experts)
+    dense = spec(None)
+    sparse = spec(arch.num_experts) if arch.num_experts else dense
     return TransformerBlockSubmodules(
-        layer_specs=[sparse if arch.is_moe(i) else dense for i in range(arch.num_layers)], layer_norm=LayerNormImpl
+        layer_specs=[sparse if arch.is_moe(i) else dense for i in range(arch.num_layers)], layer_norm=norm or LayerNormImpl
     )
 
 
 def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool = True, recompute: bool = False,
-                    aux_loss_coef: float = 0.0):
+                    aux_loss_coef: float = 0.0, sequence_parallel: bool = False):  # fmt: skip
     """A megatron-core GPTModel for `arch` on this rank's TP shard (weights uninitialised: load them next)."""
     from megatron.core.models.gpt import GPTModel
 
@@ -239,8 +272,8 @@ def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool 
 
         router_gemm_without_transformer_engine()
     model = PackedGPTModel(
-        config=transformer_config(arch, tp, bf16, recompute, aux_loss_coef),
-        transformer_layer_spec=_layer_specs(arch),
+        config=transformer_config(arch, tp, bf16, recompute, aux_loss_coef, sequence_parallel),
+        transformer_layer_spec=_layer_specs(arch, sequence_parallel),
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=True,
@@ -277,19 +310,20 @@ def _pad_to_the_group(moe: torch.nn.Module) -> None:
     group = parallel_state.get_expert_tensor_and_model_parallel_group()
     inner = moe.forward
 
-    def forward(hidden_states: Tensor, *args, **kwargs):
+    def forward(hidden_states: Tensor, *args, padding_mask: Tensor | None = None, **kwargs):
         length = torch.tensor([hidden_states.shape[0]], dtype=torch.int64, device=hidden_states.device)
         dist.all_reduce(length, op=dist.ReduceOp.MAX, group=group)
         pad = int(length) - hidden_states.shape[0]
-        kwargs.pop("padding_mask", None)  # None from megatron's layer: packed micro-batches have no padding
         if pad == 0:
-            return inner(hidden_states, *args, **kwargs)
+            return inner(hidden_states, *args, padding_mask=padding_mask, **kwargs)
         seq, batch = hidden_states.shape[:2]
         padded = torch.cat([hidden_states, hidden_states.new_zeros(pad, *hidden_states.shape[1:])])
         # megatron's padding mask: [batch, seq], True on padding (what its router code reads; its docstring says the
-        # opposite)
-        padding = torch.arange(seq + pad, device=padded.device) >= seq
-        out, bias = inner(padded, *args, padding_mask=padding.expand(batch, -1), **kwargs)
+        # opposite). A micro-batch's own (`losses.token_losses` pads for sequence parallelism) comes first.
+        padding = (torch.arange(seq + pad, device=padded.device) >= seq).expand(batch, -1)
+        if padding_mask is not None:
+            padding = torch.cat([padding_mask.bool(), padding[:, seq:]], dim=1)
+        out, bias = inner(padded, *args, padding_mask=padding, **kwargs)
         return out[: hidden_states.shape[0]], bias
 
     moe.forward = forward

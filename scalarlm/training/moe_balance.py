@@ -40,6 +40,18 @@ def load_balancing_loss(logits: Tensor, topk: int, valid: Tensor | None = None) 
     return experts * (f * p).sum()
 
 
+def _gathered(flat: Tensor, valid: Tensor | None, group) -> tuple[Tensor, Tensor]:
+    """Every sequence-parallel rank's router logits and valid-token mask (equal shares), concatenated."""
+    import torch.distributed as dist
+
+    valid = torch.ones(flat.shape[0], dtype=torch.bool, device=flat.device) if valid is None else valid
+    size = dist.get_world_size(group)
+    logits, masks = [torch.empty_like(flat) for _ in range(size)], [torch.empty_like(valid) for _ in range(size)]
+    dist.all_gather(logits, flat.contiguous(), group=group)
+    dist.all_gather(masks, valid.contiguous(), group=group)
+    return torch.cat(logits), torch.cat(masks)
+
+
 class BalanceMeter:
     """Measures every MoE layer's load-balancing loss in the step driver's forward passes (not in the KL reference's,
     nor in activation recompute during backward): wraps each router's `routing`."""
@@ -60,6 +72,8 @@ class BalanceMeter:
             if self.active:
                 flat = logits.detach().reshape(-1, logits.shape[-1])
                 valid = None if padding_mask is None else ~padding_mask.reshape(-1).bool()  # True on padding
+                if router.config.sequence_parallel:  # this rank routes its share of the tokens: measure them all
+                    flat, valid = _gathered(flat, valid, router.tp_cp_group)
                 tokens = flat.shape[0] if valid is None else int(valid.sum())
                 self.layer_sum += float(load_balancing_loss(flat, router.topk, valid)) * tokens
                 self._micro_tokens = tokens

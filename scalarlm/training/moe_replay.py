@@ -93,6 +93,12 @@ class RoutingReplay:
             router.router_replay.clear_indices()
 
     def take_counts(self) -> Tensor:
-        """[changed, compared] since the last call."""
+        """[changed, compared] since the last call (under sequence parallelism over every TP rank's share of the
+        tokens: one all-reduce)."""
         out, self.counts = self.counts, torch.zeros(2, dtype=torch.float64)
+        router = self.routers[0] if self.routers else None
+        if router is not None and router.config.sequence_parallel:
+            import torch.distributed as dist
+
+            dist.all_reduce(out, group=router.tp_cp_group)
         return out

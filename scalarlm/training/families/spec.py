@@ -360,20 +360,13 @@ def expert_rank(arch: ModelArch, rank: int, ranks: int) -> ModelArch:
     return replace(arch, expert_shard=(rank, ranks))
 
 
-def check_moe_training(arch: ModelArch, tensor_parallel_size: int, aux_loss_coef: float,
-                       routing_replay: bool = False) -> None:  # fmt: skip
+def check_moe_training(arch: ModelArch, aux_loss_coef: float, routing_replay: bool = False) -> None:
     """InvalidRequest for a mixture-of-experts setting the trainer cannot honour on `arch`."""
     if aux_loss_coef > 0 and not arch.num_experts:
         raise InvalidRequest(f"moe_aux_loss_coef {aux_loss_coef:g} needs a mixture-of-experts model; {arch.family} is "
                              "dense: leave it 0", param="train_args")  # fmt: skip
     if routing_replay and not arch.num_experts:
         raise InvalidRequest(f"routing_replay needs a mixture-of-experts model; {arch.family} is dense: leave it false",
-                             param="train_args")  # fmt: skip
-    if arch.num_experts and tensor_parallel_size > 1:
-        # megatron-core's MoELayer raises in training at TP > 1 without sequence parallelism, which we do not run.
-        raise InvalidRequest(f"tensor_parallel_size {tensor_parallel_size} is not supported for training the "
-                             f"mixture-of-experts {arch.family} model (megatron-core's MoE layer needs sequence "
-                             "parallelism there); split it with expert_parallel_size and data parallelism instead",
                              param="train_args")  # fmt: skip
 
 

@@ -172,3 +172,26 @@ def test_under_expert_parallelism_every_rank_gets_as_many_micro_batches_fillers_
     assert vars(filler).keys() == vars(filler_micro(0)).keys()
     (alone,) = spread_batch(blocks[:1], 2, dp_size=2, dp_rank=1, pad_id=0, even=True).micro_batches
     assert alone.filler  # a rank with no block at all
+
+
+def test_a_micro_batch_padded_for_sequence_parallelism_keeps_every_real_token_as_it_was() -> None:
+    """Padding to a multiple of TP adds positions at the end that nothing sees and nothing learns from: packed, a
+    document of their own; masked, rows that see only themselves; the padding mask marks exactly them."""
+    blocks = pack(_docs(6), range(6), max_len=12, packing=True)[:2]
+    packed = collate_packed(blocks, pad_id=0)
+    length = packed.tokens.shape[1]
+    grown, padding = packed.padded(3)
+    assert grown.tokens.shape == (1, length + 3) and padding.tolist() == [[False] * length + [True] * 3]
+    assert torch.equal(grown.tokens[:, :length], packed.tokens) and torch.equal(grown.labels[:, :length], packed.labels)
+    assert grown.loss_mask[:, length:].sum() == 0 and torch.equal(grown.loss_mask[:, :length], packed.loss_mask)
+    assert grown.doc_bounds == (*packed.doc_bounds, length + 3) and grown.position_ids[0, length:].tolist() == [0, 1, 2]
+    same, none = packed.padded(0)
+    assert same is packed and not none.any()
+
+    masked = collate(blocks, pad_id=0)
+    rows, width = masked.tokens.shape
+    grown, padding = masked.padded(2)
+    assert grown.attention_mask.shape == (rows, 1, width + 2, width + 2) and padding.shape == (rows, width + 2)
+    assert torch.equal(grown.attention_mask[:, :, :width, :width], masked.attention_mask)
+    assert grown.attention_mask[:, :, :width, width:].all() and grown.attention_mask[:, :, width:, :width].all()
+    assert (~grown.attention_mask[:, 0, width:, width:]).sum().item() == rows * 2  # each sees only itself
