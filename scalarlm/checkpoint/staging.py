@@ -97,6 +97,19 @@ def land_staged(job: JobDir, staged: Path, manifest: CheckpointManifest) -> Path
     return publish_step(job, manifest, copy)
 
 
+def land_orphaned(job: JobDir) -> int | None:
+    """Once the trainer is gone: land the complete staged step newer than the durable `latest` whose landing it did
+    not finish (it crashed), so the version being served stays and a restart or another worker can read it; return
+    that step (None when there is none)."""
+    staged = staged_step(job)
+    durable = latest_step(job)
+    if staged is None or (durable is not None and staged[0] <= durable):
+        return None
+    step, path = staged
+    land_staged(job, path, CheckpointManifest.model_validate_json((path / "manifest.json").read_text()))
+    return step
+
+
 def prune_staged(job: JobDir, root: Path, now: float | None = None) -> list[int]:
     """Remove this job's staged copies whose durable copy has landed, once a newer step is staged or
     STAGED_GRACE_SECONDS after the landing; return the steps removed."""

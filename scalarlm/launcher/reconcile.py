@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scalarlm.checkpoint import JobDir, latest_step, repair_latest
+from scalarlm.checkpoint.staging import land_orphaned
 from scalarlm.config import TrainingSettings
 from scalarlm.launcher.base import Launcher, cancel_requested, log_path, read_record, shutdown_requested
 from scalarlm.protocol.errors import EngineUnavailable
@@ -121,7 +122,13 @@ def reconcile_job(
         state, why = "finished", "the trainer was stopped by the control plane's shutdown"
     if state != "finished":
         return None
-    repair_latest(job)  # the trainer may have died between a checkpoint's rename and the pointer's update
+    # The trainer may have died between a checkpoint's rename and the pointer's update, or before the durable copy of
+    # a staged step landed.
+    repair_latest(job)
+    try:
+        land_orphaned(job)
+    except OSError as e:  # the staged copy stays servable; the job still gets its final status
+        logger.warning("job %s: could not land its staged checkpoint: %s", job.job_id, e)
     status = job.read_status()  # the trainer may have written its final status as it exited
     if status.terminal:
         return None

@@ -35,6 +35,23 @@ PROGRAMS = {
         (job / "checkpoints" / "latest").write_text("step-1\\n")
         sys.exit(9)
     """,
+    # Publishes step-1 durably, stages step-2 in memory (argv[1]: the staging folder, before the job directory) and
+    # dies before its landing.
+    "crash_before_landing": """
+        import json, sys, pathlib
+        shm, job = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+        def manifest(step):
+            return json.dumps({"job_id": job.name, "step": step, "base_model": "b", "kind": "full"})
+        (job / "checkpoints" / "step-1").mkdir(parents=True)
+        (job / "checkpoints" / "step-1" / "manifest.json").write_text(manifest(1))
+        (job / "checkpoints" / "latest").write_text("step-1\\n")
+        staged = shm / job.name / "step-2"
+        staged.mkdir(parents=True)
+        (staged / "model.safetensors").write_bytes(b"weights of step 2")
+        (staged / "manifest.json").write_text(manifest(2))
+        (job / "checkpoints" / "staged").write_text(f"step-2 {staged}\\n")
+        sys.exit(9)
+    """,
     # Runs until SIGTERM, then writes CANCELLED (cancel.requested present), QUEUED (shutdown.requested) or FAILED,
     # like the trainer.
     "obedient": """

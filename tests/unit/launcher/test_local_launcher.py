@@ -45,6 +45,22 @@ def test_a_trainer_killed_between_a_rename_and_the_pointer_leaves_latest_at_the_
     assert (job.checkpoints_dir / "latest").read_text() == "step-2\n"
 
 
+def test_a_trainer_killed_before_its_staged_step_landed_gets_it_landed(settings, program, new_job, wait_for, tmp_path):
+    from scalarlm.checkpoint import latest_step, list_steps
+
+    launcher = LocalLauncher(settings, entry=[*program("crash_before_landing"), str(tmp_path / "shm")])
+    job, config = new_job()
+    launcher.submit(job, config)
+
+    assert wait_for(lambda: launcher.state(job)[0] == "finished")
+    reconcile(settings.jobs_dir, {"local": launcher})
+
+    assert list_steps(job) == [1, 2] and latest_step(job) == 2  # the served version stays, now durable
+    assert (job.step_dir(2) / "model.safetensors").read_bytes() == b"weights of step 2"
+    status = job.read_status()
+    assert status.status == "FAILED" and "(checkpoint step-2)" in status.reason, status.reason
+
+
 def test_completed_job_is_left_alone(settings, program, new_job, wait_for):
     launcher = LocalLauncher(settings, entry=program("complete"))
     job, config = new_job()
