@@ -69,11 +69,16 @@ def wrap_data_parallel(model: torch.nn.Module, par: Parallel, overlap: bool = Fa
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
 
 
-def finish_grad_sync(ddp_model: torch.nn.Module) -> None:
-    """Wait for every DP bucket's all-reduce, then sum over TP the grads of the params every TP rank holds whole but
-    each computes from its own part: q/k norms (each rank normalises its own heads) and, under sequence parallelism,
-    the norms and MoE routers (each rank sees its own tokens). megatron's `finalize_model_grads`, as its training
-    loop runs it; without it a full Qwen3 job at TP=2 left the TP=1 curve (grad norm 15.428 vs 15.433 at step 1)."""
+def finish_grad_sync(ddp_model: torch.nn.Module, tp_size: int) -> None:
+    """Wait for every DP bucket's all-reduce; at TP > 1 then sum over TP the grads of the params every TP rank holds
+    whole but each computes from its own part: q/k norms (each rank normalises its own heads) and, under sequence
+    parallelism, the norms and MoE routers (each rank sees its own tokens). That is megatron's
+    `finalize_model_grads`, as its training loop runs it (at TP = 1 its other steps are for pipeline parallelism and
+    router expert bias, which we do not run). Without it a full Qwen3 job at TP=2 left the TP=1 curve (grad norm
+    15.428 vs 15.433 at step 1)."""
+    if tp_size == 1:
+        ddp_model.finish_grad_sync()
+        return
     from megatron.core.distributed import finalize_model_grads
 
     finalize_model_grads([ddp_model])
@@ -130,7 +135,7 @@ class CpuAdamW:
         return float(sq.sqrt())
 
     def step(self, lr: float, after_sync: Callable[[], None] | None = None) -> float:
-        finish_grad_sync(self.model)
+        finish_grad_sync(self.model, self.par.tp_size)
         if after_sync is not None:
             after_sync()
         for p in self.params:
@@ -159,7 +164,7 @@ class CpuAdamW:
 class GpuDistributedOptimizer:
     """megatron-core's distributed optimizer (bf16 params, fp32 main params and grads, built-in clipping)."""
 
-    def __init__(self, ddp_model: torch.nn.Module, args: TrainArgs, bf16: bool) -> None:
+    def __init__(self, ddp_model: torch.nn.Module, args: TrainArgs, bf16: bool, tp_size: int = 1) -> None:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         config = OptimizerConfig(
@@ -175,10 +180,11 @@ class GpuDistributedOptimizer:
             clip_grad=args.max_grad_norm,
         )
         self.model = ddp_model
+        self.tp_size = tp_size
         self.opt = get_megatron_optimizer(config, [ddp_model])
 
     def step(self, lr: float, after_sync: Callable[[], None] | None = None) -> float:
-        finish_grad_sync(self.model)
+        finish_grad_sync(self.model, self.tp_size)
         if after_sync is not None:
             after_sync()
         for group in self.opt.param_groups:
@@ -208,5 +214,5 @@ class GpuDistributedOptimizer:
 def build_optimizer(ddp_model: torch.nn.Module, args: TrainArgs, par: Parallel, bf16: bool) -> Optimizer:
     """The optimizer for this device: megatron's distributed optimizer on GPU, torch AdamW on CPU."""
     if par.on_gpu:
-        return GpuDistributedOptimizer(ddp_model, args, bf16)
+        return GpuDistributedOptimizer(ddp_model, args, bf16, par.tp_size)
     return CpuAdamW(ddp_model, args, par)

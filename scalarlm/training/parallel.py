@@ -135,7 +135,8 @@ def init_parallel(env: LaunchEnv, tensor_parallel_size: int, seed: int, timeout_
         expert_model_parallel_size=expert_parallel_size,
         create_gloo_process_groups=on_gpu,
     )
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)  # on a GPU also the default CUDA generator's seed
+    torch.manual_seed(seed)  # the CPU generator's (LoRA dropout draws from it there): the same on every rank
     return Parallel(
         rank=env.rank,
         world_size=env.world_size,

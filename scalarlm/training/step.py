@@ -94,7 +94,8 @@ def run_step(trainer: "Trainer", micro_batches: Sequence[MicroBatch], loss_fn: L
                 loss = loss * 0.0 + _zero_term(ddp)
             with no_aux_gradient() if micro.filler and balance is not None else nullcontext():
                 loss.backward()
-        sums += stats.to(sums.device, torch.float64) * (not micro.filler)
+        if not micro.filler:
+            sums += stats.to(sums.device, torch.float64)
     if not micro_batches and overlaps_all_reduce(ddp):
         _zero_backward(ddp)
     lr, grad_norm = trainer.optimizer_step()

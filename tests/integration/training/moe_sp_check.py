@@ -54,7 +54,7 @@ def check(model_dir: Path, par, out: Path) -> None:
             ce = token_losses(ddp, micro)
         assert ce.shape == (1, length), ce.shape
         (ce.sum() / length).backward()
-        finish_grad_sync(ddp)  # the optimizers' own: DP sync, then the TP sums of the norms' and routers' grads
+        finish_grad_sync(ddp, par.tp_size)  # the optimizers' own: DP sync, then the TP sums of the norms' and routers' grads
         metric, tokens = meter.take().tolist()
         for p in model.parameters():
             p.data = p.main_grad.clone()

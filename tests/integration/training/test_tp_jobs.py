@@ -147,6 +147,19 @@ def test_lora_sft_matches_tp1(layout: str, lora_ref: JobDir, root: Path, tiny_mo
     assert read_manifest(job, latest_step(job)).kind == "lora"
 
 
+def test_lora_dropout_at_tp2_drops_what_tp1_drops(lora_ref: JobDir, root: Path, tiny_model_dir: Path) -> None:
+    """Each TP rank draws the dropout mask over the adapter input's full width from the job's seed and keeps its
+    own columns: a TP=2 job with `lora_config.dropout` follows the TP=1 job's curve, which dropout moved. The masks
+    follow the micro-batches' shapes, so the TP=1 job takes the same ones (2 x 2 blocks)."""
+    dropout = {**LORA, "lora_config": {**LORA["lora_config"], "dropout": 0.3}}
+    ranks, extra = LAYOUTS["tp2"]
+    ref = run_job(root, "lora-dropout-tp1", tiny_model_dir, qa_rows(), 1,
+                  {**dropout, "batch_size": extra["batch_size"], "gradient_accumulation_steps": 2})  # fmt: skip
+    job = run_job(root, "lora-dropout-tp2", tiny_model_dir, qa_rows(), ranks, {**dropout, **extra})
+    assert_same_curve(job, ref, ("loss", "grad_norm"))
+    assert curve(ref, "loss")[1] != curve(lora_ref, "loss")[1]  # the masks changed training from step 2 on
+
+
 def test_tp2_saved_state_resumes_on_the_uninterrupted_curve(sft_tp2: JobDir, root: Path, tiny_model_dir: Path) -> None:
     """Stop a TP=2 job after step 2 (its end then), let it go on to step 4 from `state/`: the uninterrupted curve."""
     ranks, layout = LAYOUTS["tp2"]
