@@ -206,8 +206,8 @@ AUX = dict(MOE_SFT, cpu_ranks=2, batch_size=2, moe_aux_loss_coef=0.1)
 def test_aux_loss_trains_the_same_at_ep2_as_at_dp2_and_is_reported(moe_models: dict[str, Path], moe_sft_ref,
                                                                    tmp_path: Path) -> None:  # fmt: skip
     """`moe_aux_loss_coef` in real 2-rank trainers: the EP=2 run (tokens dispatched across ranks, its padding masked
-    out of the loss), the TP=2 run (sequence parallel) and the TP=2 x EP=2 run follow the DP=2 run's curve, grad
-    norm and load-balancing loss; the aux term changes the
+    out of the loss), the TP=2 run (sequence parallel; also with activation recompute) and the TP=2 x EP=2 run follow
+    the DP=2 run's curve, grad norm and load-balancing loss; the aux term changes the
     gradient (not the reported cross-entropy) against the coefficient-0 reference, which reports the metric too."""
     from trainer_jobs import make_job, qa_rows, run_trainer, trainer_output
 
@@ -219,12 +219,14 @@ def test_aux_loss_trains_the_same_at_ep2_as_at_dp2_and_is_reported(moe_models: d
     # experts over all four (TP-sharded experts, two per EP rank).
     for name, extra in (("dp2", {}), ("ep2", {"expert_parallel_size": 2}),
                         ("tp2", {"tensor_parallel_size": 2, "gradient_accumulation_steps": 2}),
+                        ("tp2-recompute", {"tensor_parallel_size": 2, "gradient_accumulation_steps": 2,
+                                           "gradient_checkpointing": True}),
                         ("tp2ep2", {"tensor_parallel_size": 2, "expert_parallel_size": 2, "cpu_ranks": 4})):
         job = make_job(tmp_path, f"aux-{name}", moe_models["qwen3-moe"], qa_rows(), **{**AUX, **extra})
         assert run_trainer(job, job.read_config().train_args.cpu_ranks, timeout=600) == 0, trainer_output(job)[-3000:]
         runs[name] = job.read_metrics()
     dp, ep, ref = runs["dp2"], runs["ep2"], moe_sft_ref.read_metrics()
-    for other in (ep, runs["tp2"], runs["tp2ep2"]):
+    for other in (ep, runs["tp2"], runs["tp2-recompute"], runs["tp2ep2"]):
         assert [r["step"] for r in other] == [r["step"] for r in dp] == [1, 2, 3, 4]
         for a, b in zip(other, dp):
             for key in ("loss", "grad_norm", "moe_load_balancing_loss"):
