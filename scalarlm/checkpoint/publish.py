@@ -44,23 +44,33 @@ def publish_step(job: JobDir, manifest: CheckpointManifest, write: Callable[[Pat
     return final
 
 
+def _step_folders(job: JobDir) -> list[int]:
+    """The steps with a renamed folder (complete or not), from one directory read (no stat of each)."""
+    try:
+        entries = list(os.scandir(job.checkpoints_dir))
+    except FileNotFoundError:
+        return []
+    return [int(e.name[5:]) for e in entries if e.name.startswith("step-") and e.name[5:].isdigit() and e.is_dir()]
+
+
+def _complete(job: JobDir, step: int) -> bool:
+    return (job.step_dir(step) / "manifest.json").exists()
+
+
 def list_steps(job: JobDir) -> list[int]:
     """Steps with a complete (renamed, manifest-bearing) checkpoint, ascending."""
-    if not job.checkpoints_dir.exists():
-        return []
-    steps = []
-    for d in job.checkpoints_dir.iterdir():
-        name = d.name
-        if d.is_dir() and name.startswith("step-") and name[5:].isdigit() and (d / "manifest.json").exists():
-            steps.append(int(name[5:]))
-    return sorted(steps)
+    return sorted(step for step in _step_folders(job) if _complete(job, step))
 
 
 def latest_step(job: JobDir) -> int | None:
     """The newest complete step: the one `checkpoints/latest` names, or a newer renamed one (a crash between the
-    rename and the pointer's update leaves a complete step the pointer does not name yet)."""
-    steps = list_steps(job)
-    return steps[-1] if steps else None
+    rename and the pointer's update leaves a complete step the pointer does not name yet). One directory read and
+    a manifest check from the newest folder down: the catalog's poll calls this per job, and a job may keep
+    hundreds of steps."""
+    for step in sorted(_step_folders(job), reverse=True):
+        if _complete(job, step):
+            return step
+    return None
 
 
 def repair_latest(job: JobDir) -> int | None:
