@@ -20,25 +20,18 @@ import sys
 from pathlib import Path
 
 import torch
+from moe_single import load_into
 
 
 def check(model_dir: Path, par) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from scalarlm.training.convert import mark_tensor_parallel
     from scalarlm.training.families import expert_rank
     from scalarlm.training.model import build_gpt_model, model_arch
-    from scalarlm.training.shard_load import load_rank_params
 
     arch = expert_rank(model_arch(model_dir), par.ep_rank, par.ep_size)
     model = build_gpt_model(arch, par.tp_size, bf16=False, parallel_output=False)
-    params = dict(model.named_parameters())
-    loaded, read = load_rank_params(model_dir, arch, par.tp_rank, par.tp_size)  # only this rank's experts
-    assert set(loaded) == set(params), sorted(set(loaded) ^ set(params))[:4]
-    with torch.no_grad():
-        for name, value in loaded.items():
-            params[name].copy_(value)
-    mark_tensor_parallel(model, arch)
+    read = load_into(model, model_dir, arch, par)  # only this rank's experts
     model.eval()
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     sparse = [i for i in range(arch.num_layers) if arch.is_moe(i)]

@@ -1,5 +1,5 @@
-"""Shared by the one-process MoE check scripts (moe_aux_check.py, moe_replay_check.py): a megatron model loaded from
-an HF directory, and the main that runs a check on each directory named on the command line."""
+"""Shared by the MoE check scripts: a megatron model loaded from an HF directory (at TP=1, or this rank's shard), and
+the main that runs a one-process check on each directory named on the command line."""
 
 from __future__ import annotations
 
@@ -10,21 +10,30 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def loaded_model(model_dir: Path, arch, aux_loss_coef: float = 0.0):
-    """The TP=1 megatron model of `arch`, HF weights loaded, in training mode."""
+def load_into(model, model_dir: Path, arch, par=None) -> int:
+    """Copy this TP rank's (and, for an `expert_rank` arch, this EP rank's) HF weights into the megatron `model` and
+    tag its TP shards; every parameter must be loaded. Returns how many bytes of the checkpoint it read."""
     import torch
 
     from scalarlm.training.convert import mark_tensor_parallel
-    from scalarlm.training.model import build_gpt_model
     from scalarlm.training.shard_load import load_rank_params
 
-    model = build_gpt_model(arch, 1, bf16=False, aux_loss_coef=aux_loss_coef)
     params = dict(model.named_parameters())
-    loaded, _ = load_rank_params(model_dir, arch, 0, 1)
+    loaded, read = load_rank_params(model_dir, arch, par.tp_rank if par else 0, par.tp_size if par else 1)
+    assert set(loaded) == set(params), sorted(set(loaded) ^ set(params))[:4]
     with torch.no_grad():
         for name, value in loaded.items():
             params[name].copy_(value)
     mark_tensor_parallel(model, arch)
+    return read
+
+
+def loaded_model(model_dir: Path, arch, aux_loss_coef: float = 0.0):
+    """The TP=1 megatron model of `arch`, HF weights loaded, in training mode."""
+    from scalarlm.training.model import build_gpt_model
+
+    model = build_gpt_model(arch, 1, bf16=False, aux_loss_coef=aux_loss_coef)
+    load_into(model, model_dir, arch)
     return model.train()
 
 

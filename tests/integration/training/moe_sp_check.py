@@ -16,32 +16,27 @@ import sys
 from pathlib import Path
 
 import torch
+from moe_single import load_into
 
 COEF = 0.05
 LENGTHS = (40, 41)  # 41: the padded path (and its padding mask) at TP=2
 
 
 def check(model_dir: Path, par, out: Path) -> None:
-    from scalarlm.training.convert import mark_tensor_parallel, mcore_to_hf
+    from scalarlm.training.convert import mcore_to_hf
     from scalarlm.training.data import MicroBatch
     from scalarlm.training.export import gather_tp_shards
     from scalarlm.training.losses import token_losses
     from scalarlm.training.model import build_gpt_model, model_arch, sequence_parallel
     from scalarlm.training.moe_balance import BalanceMeter, aux_loss_scale
     from scalarlm.training.optim import finish_grad_sync, wrap_data_parallel
-    from scalarlm.training.shard_load import load_rank_params
 
     arch = model_arch(model_dir)
     for length in LENGTHS:
         model = build_gpt_model(arch, par.tp_size, bf16=False, aux_loss_coef=COEF,
                                 sequence_parallel=sequence_parallel(arch, par.tp_size))  # fmt: skip
         assert model.config.sequence_parallel == (par.tp_size > 1)
-        params = dict(model.named_parameters())
-        loaded, _ = load_rank_params(model_dir, arch, par.tp_rank, par.tp_size)
-        with torch.no_grad():
-            for name, value in loaded.items():
-                params[name].copy_(value)
-        mark_tensor_parallel(model, arch)
+        load_into(model, model_dir, arch, par)
         model.train()
         ids = torch.randint(0, arch.vocab_size, (1, length), generator=torch.Generator().manual_seed(length))
         cut = length // 2 + 3

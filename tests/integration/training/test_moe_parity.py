@@ -38,6 +38,22 @@ def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: make_tiny_model(root / name, **FAMILY_TINY_MODELS[name]) for name in MOE_MODELS}
 
 
+def run_check(script: str, args: list[str], ranks: int) -> subprocess.CompletedProcess:
+    """Run a check script of this folder as one plain process, or under `mpirun -n ranks`; it must succeed."""
+    command = [sys.executable, str(HERE / script), *args]
+    if ranks > 1:
+        require_mpirun()
+        command = ["mpirun", "-n", str(ranks), "--oversubscribe", *command]
+    proc = subprocess.run(command, env=mpi_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def result_rows(proc: subprocess.CompletedProcess) -> list[dict]:
+    """The `RESULT <json>` lines a check script printed."""
+    return [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+
+
 @pytest.fixture(scope="module")
 def results(moe_models: dict[str, Path]):
     cache: dict[tuple[int, int], dict[str, dict]] = {}
@@ -45,16 +61,8 @@ def results(moe_models: dict[str, Path]):
     def get(layout: tuple[int, int]) -> dict[str, dict]:
         if layout not in cache:
             tp, ep = layout
-            script = [str(HERE / "moe_check.py"), str(tp), str(ep), *map(str, moe_models.values())]
-            if tp * ep == 1:
-                command = [sys.executable, *script]
-            else:
-                require_mpirun()
-                command = ["mpirun", "-n", str(tp * ep), "--oversubscribe", sys.executable, *script]
-            proc = subprocess.run(command, env=mpi_env(), capture_output=True, text=True, timeout=600)
-            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-            rows = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-            cache[layout] = {row["model"]: row for row in rows}
+            proc = run_check("moe_check.py", [str(tp), str(ep), *map(str, moe_models.values())], tp * ep)
+            cache[layout] = {row["model"]: row for row in result_rows(proc)}
         return cache[layout]
 
     return get
@@ -161,10 +169,7 @@ def test_two_rank_moe_sft_matches_one_rank_and_publishes_the_same_weights(moe_mo
 def test_load_balancing_loss_equals_numpy_and_its_gradient_the_written_out_objective(moe_models: dict[str, Path]) -> None:
     """moe_aux_check.py on every MoE tiny model: the metric equals NumPy's loss from transformers' router logits; the
     gradient of megatron's aux loss (as the step driver weighs it) equals autograd of the objective written out."""
-    proc = subprocess.run([sys.executable, str(HERE / "moe_aux_check.py"), *map(str, moe_models.values())],
-                          env=mpi_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    rows = result_rows(run_check("moe_aux_check.py", list(map(str, moe_models.values())), 1))
     assert sorted(r["model"] for r in rows) == MOE_MODELS
     for r in rows:
         assert r["tokens"] == 40 and abs(r["metric"] - r["numpy"]) <= TOLERANCE, r
@@ -179,15 +184,11 @@ def test_sequence_parallel_moe_gradients_at_tp2_equal_tp1(moe_models: dict[str, 
     rank's aux loss by its own half of the tokens: router grads 4e-3 off at 40 tokens."""
     import torch
 
-    require_mpirun()
     outs = {}
     for tp in (1, 2):
         outs[tp] = tmp_path / f"tp{tp}"
         outs[tp].mkdir()
-        script = [sys.executable, str(HERE / "moe_sp_check.py"), str(tp), str(outs[tp]), *map(str, moe_models.values())]
-        command = script if tp == 1 else ["mpirun", "-n", "2", "--oversubscribe", *script]
-        proc = subprocess.run(command, env=mpi_env(), capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        run_check("moe_sp_check.py", [str(tp), str(outs[tp]), *map(str, moe_models.values())], tp)
     files = sorted(p.name for p in outs[1].iterdir())
     assert files == sorted(p.name for p in outs[2].iterdir()) and len(files) == 2 * len(MOE_MODELS)
     for name in files:
@@ -242,10 +243,7 @@ def test_routing_replay_runs_each_moe_layer_on_the_recorded_experts(moe_models: 
     """moe_replay_check.py on every MoE tiny model: after the routers move (so that most tokens would choose other
     experts), a replayed forward's MoE layers equal the layer computed in float64 on the first pass's experts with the
     moved router's probabilities; without replay the outputs differ, and the changed choices are counted."""
-    proc = subprocess.run([sys.executable, str(HERE / "moe_replay_check.py"), *map(str, moe_models.values())],
-                          env=mpi_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    rows = result_rows(run_check("moe_replay_check.py", list(map(str, moe_models.values())), 1))
     assert sorted(r["model"] for r in rows) == MOE_MODELS
     for r in rows:
         assert r["replay_diff"] <= TOLERANCE, r  # measured <= 2.1e-6 (fp32 against float64)
