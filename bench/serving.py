@@ -22,28 +22,51 @@ PROMPTS = [f"Question {i}: what is {i % 97} plus {i % 13}? Answer:" for i in ran
 MAX_TOKENS = 32
 
 RAW_VLLM = r"""
-import json, sys, time
+import dataclasses, json, sys, time
 from vllm import LLM, SamplingParams
-model, prompts, max_tokens, seqs = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512, kv_cache_memory_bytes=1 << 30,
-          max_num_seqs=seqs, seed=0)
+from vllm.engine.arg_utils import EngineArgs
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+flags, prompts, max_tokens = json.loads(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+# Exactly the engine `scalarlm serve` builds (its `vllm serve` flags, LoRA slots included): only the front ends differ.
+ours = EngineArgs.from_cli_args(make_arg_parser(FlexibleArgumentParser()).parse_args(flags))
+default = EngineArgs(model=ours.model)
+llm = LLM(**{f.name: getattr(ours, f.name) for f in dataclasses.fields(EngineArgs)
+             if getattr(ours, f.name) != getattr(default, f.name) or f.name == "model"})
 sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 llm.generate(prompts[:16], sp, use_tqdm=False)  # warm-up, as the server has had its own
-t = time.perf_counter()
-outs = llm.generate(prompts, sp, use_tqdm=False)
-dt = time.perf_counter() - t
-print(json.dumps({"seconds": dt, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}))
+print("READY", flush=True)
+for _ in sys.stdin:  # one timed round per line
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    dt = time.perf_counter() - t
+    print(json.dumps({"seconds": dt, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}), flush=True)
 """
 
 
-def raw_vllm(model: str, seqs: int) -> float:
-    """Tokens/s of `vllm.LLM.generate` on PROMPTS in a fresh process."""
-    out = subprocess.run(
-        [python(), "-c", RAW_VLLM, model, json.dumps(PROMPTS), str(MAX_TOKENS), str(seqs)],
-        capture_output=True, text=True, env={**os.environ, **ENGINE_ENV}, check=True,
-    )
-    r = json.loads(out.stdout.strip().splitlines()[-1])
-    return r["tokens"] / r["seconds"]
+class RawVllm:
+    """`vllm.LLM.generate` on PROMPTS in its own process, built with our engine's flags; `round()` -> tokens/s.
+
+    The process stays up (idle between rounds) so its rounds can interleave with the server's."""
+
+    def __init__(self, model: str) -> None:
+        argv = [python(), "-c", RAW_VLLM, json.dumps(engine_flags(model)), json.dumps(PROMPTS), str(MAX_TOKENS)]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True, env={**os.environ, **ENGINE_ENV})  # fmt: skip
+        for line in self.proc.stdout:
+            if line.startswith("READY"):
+                return
+        raise RuntimeError(f"raw vLLM exited with {self.proc.wait()}")
+
+    def round(self) -> float:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        r = json.loads(self.proc.stdout.readline())
+        return r["tokens"] / r["seconds"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
 
 
 def serve(model: str, home: str, port: int, log: Path) -> Process:
@@ -65,6 +88,19 @@ def queued_generate(url: str) -> float:
             break
     dt = time.perf_counter() - t
     return sum(x["completion_tokens"] or 0 for x in res["results"]) / dt
+
+
+def queue_and_raw(url: str, model: str, rounds: int) -> tuple[float, float]:
+    """Best of `rounds` interleaved rounds each of raw vLLM and the queued path (tokens/s), both warmed up first:
+    a burst of other work on the shared box then costs both sides alike, and the best round of each is the one
+    least disturbed."""
+    raw = RawVllm(model)
+    try:
+        queued_generate(url)  # warm-up
+        pairs = [(raw.round(), queued_generate(url)) for _ in range(rounds)]
+    finally:
+        raw.close()
+    return max(r for r, _ in pairs), max(q for _, q in pairs)
 
 
 async def _openai_load(url: str, model: str, concurrency: int, total: int) -> float:
@@ -147,6 +183,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(ROOT / "models" / "tiny"))
     ap.add_argument("--big", type=int, default=200_000)
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     model = str(Path(args.model).resolve())
     name = Path(model).name
@@ -154,11 +191,10 @@ def main() -> None:
     logs.mkdir(parents=True, exist_ok=True)
     figures: dict = {}
 
-    raw = raw_vllm(model, 256)
     port = free_port()
     with tempfile.TemporaryDirectory() as home, serve(model, home, port, logs / "scalarlm-serve.log") as srv:
         url = f"http://127.0.0.1:{port}"
-        queued = queued_generate(url)
+        raw, queued = queue_and_raw(url, model, args.rounds)
         ours_openai = asyncio.run(openai_throughput(url, name))
         figures.update(submit_many(url, srv.pid, args.big))
     port = free_port()
