@@ -25,11 +25,12 @@ RAW_VLLM = r"""
 import dataclasses, json, sys, time
 from vllm import LLM, SamplingParams
 from vllm.engine.arg_utils import EngineArgs
-from vllm.entrypoints.launchers.cli_args import make_arg_parser
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-flags, prompts, max_tokens = json.loads(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
-# Exactly the engine `scalarlm serve` builds (its `vllm serve` flags, LoRA slots included): only the front ends differ.
-ours = EngineArgs.from_cli_args(make_arg_parser(FlexibleArgumentParser()).parse_args(flags))
+from scalarlm.config import load_settings
+from scalarlm.inference.engine import parse_serve_args
+model, prompts, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+# Exactly the engine `scalarlm serve --model` builds (its `vllm serve` arguments, LoRA slots included): only the
+# front ends differ.
+ours = EngineArgs.from_cli_args(parse_serve_args(load_settings(model=model)))
 default = EngineArgs(model=ours.model)
 llm = LLM(**{f.name: getattr(ours, f.name) for f in dataclasses.fields(EngineArgs)
              if getattr(ours, f.name) != getattr(default, f.name) or f.name == "model"})
@@ -50,7 +51,7 @@ class RawVllm:
     The process stays up (idle between rounds) so its rounds can interleave with the server's."""
 
     def __init__(self, model: str) -> None:
-        argv = [python(), "-c", RAW_VLLM, json.dumps(engine_flags(model)), json.dumps(PROMPTS), str(MAX_TOKENS)]
+        argv = [python(), "-c", RAW_VLLM, model, json.dumps(PROMPTS), str(MAX_TOKENS)]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True, env={**os.environ, **ENGINE_ENV})  # fmt: skip
         for line in self.proc.stdout:
