@@ -19,13 +19,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from parity import FIRST_STEP, assert_same_curve
 from trainer_jobs import mpi_env, require_mpirun
 
 from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS
 
 HERE = Path(__file__).parent
 MOE_MODELS = sorted(name for name, spec in FAMILY_TINY_MODELS.items() if spec["family"] in ("qwen3_moe", "mixtral"))
-TOLERANCE = 1e-5  # fp32; the brief's bar is 1e-4, measured <= 5.3e-6
+TOLERANCE = 1e-5  # fp32 against float64 or NumPy
+# fp32 router logits, probabilities, layer outputs and logits (values up to ~7) against transformers': measured
+# <= 5.3e-6; the rounding differs by up to 2x between CPUs (parity.py)
+FORWARD_TOLERANCE = 3e-5
 LAYOUTS = [(1, 1), pytest.param((2, 1), marks=pytest.mark.slow, id="tp2"),
            pytest.param((1, 2), marks=pytest.mark.slow, id="ep2")]  # (TP, EP)
 
@@ -81,10 +85,10 @@ def test_router_experts_and_layers_match_hf(results, model: str, layout: tuple[i
     if layout == (1, 2):  # a rank reads the shared weights and its own experts, not the other rank's
         assert r["read_fraction"] < 0.9, r
     assert r["experts_equal"] is True, r
-    assert r["router_logit_diff"] <= TOLERANCE, r
-    assert r["prob_diff"] <= TOLERANCE, r
-    assert r["layer_diff"] <= TOLERANCE, r
-    assert r["logit_diff"] <= TOLERANCE, r
+    assert r["router_logit_diff"] <= FORWARD_TOLERANCE, r
+    assert r["prob_diff"] <= FORWARD_TOLERANCE, r
+    assert r["layer_diff"] <= FORWARD_TOLERANCE, r
+    assert r["logit_diff"] <= FORWARD_TOLERANCE, r
 
 
 def test_full_sft_job_trains_router_and_experts_and_publishes_the_hub_layout(moe_models: dict[str, Path],
@@ -123,13 +127,14 @@ MOE_SFT = dict(max_steps=4, learning_rate=3e-3, lr_schedule="constant", batch_si
 MOE_LAYOUTS = {"dp2": dict(cpu_ranks=2, batch_size=2), "ep2": dict(cpu_ranks=2, batch_size=2, expert_parallel_size=2),
                # sequence parallel: each TP rank routes half of every micro-batch's tokens to TP-sharded experts
                "tp2": dict(cpu_ranks=2, tensor_parallel_size=2, batch_size=2, gradient_accumulation_steps=2)}
-CURVE_TOLERANCE = 1e-5  # fp32; the layouts change only the order of sums
+# The layouts change only the order of fp32 sums: curves follow each other to parity.py's per-step bounds.
 # Weights after 4 Adam steps: Adam's normalised update turns the rounding of a few near-zero grads into visible moves
 # (measured, lr 3e-3: the worst element 5.6e-5 at DP=2, 1.1e-4 at TP=2; 3 and 8 elements of 1.4M beyond 3e-5);
-# a wrong reduction or a misplaced expert moves whole tensors by ~lr per step.
+# a wrong reduction or a misplaced expert moves whole tensors (thousands of elements) by ~lr per step. The count
+# follows the CPU's rounding (parity.py), so it has room for 10x the elements measured.
 WEIGHT_TOLERANCE = 3e-4
 MOVED = 3e-5  # at most MAX_MOVED elements differ by more
-MAX_MOVED = 32
+MAX_MOVED = 100
 
 
 @pytest.fixture(scope="module")
@@ -152,10 +157,8 @@ def test_two_rank_moe_sft_matches_one_rank_and_publishes_the_same_weights(moe_mo
     job = make_job(tmp_path, f"moe-{layout}", moe_models["qwen3-moe"], qa_rows(), **{**MOE_SFT, **MOE_LAYOUTS[layout]})
     assert run_trainer(job, 2, timeout=600) == 0, trainer_output(job)[-3000:]
     ours, ref = job.read_metrics(), moe_sft_ref.read_metrics()
-    assert [r["step"] for r in ours] == [r["step"] for r in ref] == [1, 2, 3, 4]
-    for a, b in zip(ours, ref):
-        assert abs(a["loss"] - b["loss"]) <= CURVE_TOLERANCE, (layout, ours, ref)
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= CURVE_TOLERANCE * max(1.0, b["grad_norm"]), (layout, ours, ref)
+    assert len(ref) == 4
+    assert_same_curve(ours, ref, ("loss", "grad_norm"))
     # The published step holds every expert (gathered from both ranks under EP), equal to the one-rank job's.
     published = load_file(job.step_dir(4) / "model.safetensors")
     expected = load_file(moe_sft_ref.step_dir(4) / "model.safetensors")
@@ -227,12 +230,10 @@ def test_aux_loss_trains_the_same_at_ep2_as_at_dp2_and_is_reported(moe_models: d
         assert run_trainer(job, job.read_config().train_args.cpu_ranks, timeout=600) == 0, trainer_output(job)[-3000:]
         runs[name] = job.read_metrics()
     dp, ep, ref = runs["dp2"], runs["ep2"], moe_sft_ref.read_metrics()
+    assert len(dp) == 4
     for other in (ep, runs["tp2"], runs["tp2-recompute"], runs["tp2ep2"]):
-        assert [r["step"] for r in other] == [r["step"] for r in dp] == [1, 2, 3, 4]
-        for a, b in zip(other, dp):
-            for key in ("loss", "grad_norm", "moe_load_balancing_loss"):
-                assert abs(a[key] - b[key]) <= CURVE_TOLERANCE * max(1.0, abs(b[key])), (key, other, dp)
-    assert abs(dp[0]["loss"] - ref[0]["loss"]) <= CURVE_TOLERANCE, (dp[0], ref[0])  # same weights, same tokens
+        assert_same_curve(other, dp, ("loss", "grad_norm", "moe_load_balancing_loss"))
+    assert abs(dp[0]["loss"] - ref[0]["loss"]) <= FIRST_STEP, (dp[0], ref[0])  # same weights, same tokens
     assert abs(dp[0]["grad_norm"] - ref[0]["grad_norm"]) > 1e-3 * ref[0]["grad_norm"], (dp[0], ref[0])
     assert all(r["moe_load_balancing_loss"] > 0 for r in ref + dp)
     print("load balancing (coef 0 / 0.1):", [round(r["moe_load_balancing_loss"], 4) for r in ref],
@@ -328,11 +329,8 @@ def test_grpo_at_ep2_trains_as_dp2_with_uneven_ranks_aux_loss_and_routing_replay
     dp, ep = runs["dp2"], runs["ep2"]
     assert "1 filler micro-batch(es) on DP rank 0 (2 micro-batches on every rank)" in logs["ep2"], logs["ep2"][-3000:]
     assert "filler" not in logs["dp2"]
-    assert [r["step"] for r in ep] == [r["step"] for r in dp] == [1, 2]
-    assert [r["batch_step"] for r in ep] == [1, 2] and ep[0]["groups"] == 9
-    for a, b in zip(ep, dp):
-        for key in ("loss", "grad_norm", "moe_load_balancing_loss", "loss_tokens"):
-            assert abs(a[key] - b[key]) <= CURVE_TOLERANCE * max(1.0, abs(b[key])), (key, ep, dp)
+    assert len(dp) == 2 and [r["batch_step"] for r in ep] == [1, 2] and ep[0]["groups"] == 9
+    assert_same_curve(ep, dp, ("loss", "grad_norm", "moe_load_balancing_loss", "loss_tokens"))
     assert abs(ep[1]["moe_routing_changed_fraction"] - dp[1]["moe_routing_changed_fraction"]) <= 1e-9, (ep, dp)
     assert ep[0]["grad_norm"] > 0 and ep[1]["loss"] != ep[0]["loss"]
 
@@ -353,10 +351,8 @@ def test_grpo_at_tp2_trains_as_one_rank_with_aux_loss_and_routing_replay(moe_mod
         assert run_trainer(job, ranks, timeout=600) == 0, trainer_output(job)[-3000:]
         runs[name] = job.read_metrics()
     one, two = runs["tp1"], runs["tp2"]
-    assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2]
-    for a, b in zip(two, one):
-        for key in ("loss", "grad_norm", "moe_load_balancing_loss", "loss_tokens"):
-            assert abs(a[key] - b[key]) <= CURVE_TOLERANCE * max(1.0, abs(b[key])), (key, two, one)
+    assert len(one) == 2
+    assert_same_curve(two, one, ("loss", "grad_norm", "moe_load_balancing_loss", "loss_tokens"))
     assert abs(two[1]["moe_routing_changed_fraction"] - one[1]["moe_routing_changed_fraction"]) <= 1e-9, (two, one)
     assert two[1]["moe_routing_changed_fraction"] > 0
 
@@ -423,7 +419,6 @@ def test_a_grpo_job_at_ep2_saved_inside_a_batch_resumes_there(moe_models: dict[s
     assert run_trainer(split, 2, timeout=600) == 0, trainer_output(split)[-3000:]
     a, b = whole.read_metrics(), split.read_metrics()
     assert [r["step"] for r in b] == [1, 2, 3, 4] and [r["batch_step"] for r in b] == [1, 2, 1, 2]
-    for x, y in zip(a[:3], b[:3]):
-        assert abs(x["loss"] - y["loss"]) <= CURVE_TOLERANCE and abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4, (a, b)
+    assert_same_curve(b[:3], a[:3], ("loss", "grad_norm"))
     assert b[3]["reward_mean"] == a[3]["reward_mean"] != a[1]["reward_mean"]  # the second batch, again
     assert split.read_status().status == "COMPLETED" and (split.step_dir(4) / "model.safetensors").exists()
