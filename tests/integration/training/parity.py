@@ -38,15 +38,15 @@ def step_tolerance(step: int) -> float:
 
 
 def assert_same_curve(ours: Sequence[dict], ref: Sequence[dict], keys: Sequence[str],
-                      tolerance: float | None = None, loss_absolute: bool = True) -> None:  # fmt: skip
+                      tolerance: float | None = None) -> None:  # fmt: skip
     """`ours` follows `ref` step by step on `keys` (metrics rows of steps 1, 2, ..., as many in each).
 
-    The first key is compared absolutely when `loss_absolute` (a loss), every other key relative to max(1, |ref|).
+    The first key (a loss) is compared absolutely, every other key relative to max(1, |ref|).
     `tolerance` replaces the per-step bound (runs of the same layout, which repeat each other's arithmetic)."""
     steps = list(range(1, len(ref) + 1))
     assert steps and [r["step"] for r in ours] == [r["step"] for r in ref] == steps, (ours, ref)
     for step, (a, b) in enumerate(zip(ours, ref, strict=True), 1):
         bound = step_tolerance(step) if tolerance is None else tolerance
         for i, key in enumerate(keys):
-            scale = 1.0 if (i == 0 and loss_absolute) else max(1.0, abs(float(b[key])))
+            scale = 1.0 if i == 0 else max(1.0, abs(float(b[key])))
             assert abs(float(a[key]) - float(b[key])) <= bound * scale, (step, key, ours, ref)

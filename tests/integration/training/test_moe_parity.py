@@ -419,6 +419,6 @@ def test_a_grpo_job_at_ep2_saved_inside_a_batch_resumes_there(moe_models: dict[s
     assert run_trainer(split, 2, timeout=600) == 0, trainer_output(split)[-3000:]
     a, b = whole.read_metrics(), split.read_metrics()
     assert [r["step"] for r in b] == [1, 2, 3, 4] and [r["batch_step"] for r in b] == [1, 2, 1, 2]
-    assert_same_curve(b[:3], a[:3], ("loss", "grad_norm"))
+    assert_same_curve(b[:3], a[:3], ("loss", "grad_norm"), tolerance=1e-5)  # the same layout, the same arithmetic
     assert b[3]["reward_mean"] == a[3]["reward_mean"] != a[1]["reward_mean"]  # the second batch, again
     assert split.read_status().status == "COMPLETED" and (split.step_dir(4) / "model.safetensors").exists()

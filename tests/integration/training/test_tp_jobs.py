@@ -16,8 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
-from parity import assert_same_curve as assert_same_rows
-from parity import step_tolerance
+from parity import assert_same_curve as assert_same_rows, step_tolerance
 from trainer_jobs import make_job, qa_rows, require_mpirun, run_trainer, trainer_output
 
 from scalarlm.checkpoint import JobDir, latest_step, read_manifest
@@ -53,7 +52,7 @@ SESSION = dict(learning_rate=1e-3, lr_schedule="constant", loss="grpo", kl_coef=
 SESSION_STEPS = 3
 # TP and DP only change the order of fp32 sums: parity.py's per-step bounds. Resumed vs uninterrupted repeats the
 # same arithmetic:
-RESUME_TOLERANCE = 1e-6  # the same layout, resumed vs uninterrupted
+RESUME_TOLERANCE = 1e-6
 
 
 def rl_rows() -> list[dict]:
