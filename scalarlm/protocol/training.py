@@ -188,6 +188,9 @@ class TrainJobConfig(BaseModel):
     # The share of each GPU the trainer's ranks may allocate, set by the control plane when they share the GPUs with
     # its vLLM engine (an embedded node with the local launcher; config.gpu_memory_split). None: the whole GPU.
     gpu_memory_fraction: float | None = Field(None, gt=0, le=1)
+    # Threads of each CPU rank, set by the control plane when the trainer shares this host's cores with its CPU vLLM
+    # engine while generation overlaps training (config.trainer_cpu_threads). None: the host's cores ÷ the ranks.
+    cpu_threads: int | None = Field(None, ge=1)
 
     @property
     def time_limit(self) -> float:

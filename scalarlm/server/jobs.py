@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from scalarlm.server.periodic import every
 from scalarlm.checkpoint import JobDir, latest_step, list_steps, read_manifest
 from scalarlm.checkpoint.hub_cache import has_chat_template, resolve_model
-from scalarlm.config import Settings, TrainingSettings, gpu_memory_split
+from scalarlm.config import Settings, TrainingSettings, gpu_memory_split, host_cores, trainer_cpu_threads
 from scalarlm.launcher import (
     Launcher,
     ResumePolicy,
@@ -195,9 +195,15 @@ class TrainingJobs:
         limit = min(config.train_args.timeout, self.settings.training.max_train_seconds)
         shares = config.train_args.gpus > 0 and self._shares_gpus(launcher)
         share = gpu_memory_split(self.settings).trainer if shares else 0.0
+        args = config.train_args
+        threads = None
+        if launcher.name == "local":  # this host's cores; a SLURM node's are its own
+            threads = trainer_cpu_threads(self.settings, ranks=args.world_size, cores=host_cores(), cpu_job=args.gpus == 0,
+                                          overlaps=config.session and config.session_max_staleness > 0)  # fmt: skip
         config = config.model_copy(update={
             "max_train_seconds": float(limit),  # the trainer stops itself there
             "gpu_memory_fraction": share or None,  # its ranks leave the engine its share of each GPU
+            "cpu_threads": threads,  # its CPU ranks leave the engine its cores while generation overlaps training
         })  # fmt: skip
         job.write_config(config)
         with self._lock:

@@ -10,7 +10,6 @@ mixture-of-experts model's experts.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,6 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from scalarlm.config import host_cores
 from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.training.cpu_compat import activate_if_no_accelerator
 from scalarlm.training.launch_env import LaunchEnv
@@ -79,29 +79,27 @@ def _rendezvous(env: LaunchEnv) -> tuple[str, int]:
     return addr, int(port)
 
 
-def set_cpu_threads(env: LaunchEnv) -> int:
-    """Give each CPU rank its share of this host's cores (all of them for one rank) unless OMP_NUM_THREADS is set.
+def set_cpu_threads(env: LaunchEnv, threads: int | None = None) -> int:
+    """Give each CPU rank its share of this host's cores (all of them for one rank): `OMP_NUM_THREADS` when set,
+    else `threads` (the control plane's, when the rank shares the cores with a CPU vLLM engine), else cores ÷ ranks.
 
     torch defaults every process to all cores, so N ranks on one host would run N x cores threads and thrash.
     """
-    if env.omp_threads:
-        threads = env.omp_threads
-    else:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        threads = max(1, cores // max(1, env.local_world_size))
-    torch.set_num_threads(threads)
-    return threads
+    chosen = env.omp_threads or threads or max(1, host_cores() // max(1, env.local_world_size))
+    torch.set_num_threads(chosen)
+    return chosen
 
 
 def init_parallel(env: LaunchEnv, tensor_parallel_size: int, seed: int, timeout_s: float = 1800,
-                  gpu_memory_fraction: float | None = None, expert_parallel_size: int = 1) -> Parallel:
+                  gpu_memory_fraction: float | None = None, expert_parallel_size: int = 1,
+                  cpu_threads: int | None = None) -> Parallel:
     """Start torch.distributed and megatron's model-parallel state for this rank.
 
     `expert_parallel_size`: ranks that split a mixture-of-experts model's experts (megatron's EP groups lie across
     the data-parallel ranks; the experts keep the dense layers' TP size).
 
     `gpu_memory_fraction`: the share of its GPU this rank may allocate (an embedded node, where vLLM holds the
-    rest); None: the whole GPU.
+    rest); None: the whole GPU. `cpu_threads`: a CPU rank's threads (see `set_cpu_threads`).
     """
     from megatron.core import parallel_state, tensor_parallel
 
@@ -119,7 +117,7 @@ def init_parallel(env: LaunchEnv, tensor_parallel_size: int, seed: int, timeout_
     else:
         activate_if_no_accelerator()
         device = torch.device("cpu")
-        logger.info("rank %d: %d CPU threads", env.rank, set_cpu_threads(env))
+        logger.info("rank %d: %d CPU threads", env.rank, set_cpu_threads(env, cpu_threads))
     addr, port = _rendezvous(env)
     backend = "nccl" if on_gpu else "gloo"
     logger.info("rank %d/%d: %s rendezvous at %s:%d", env.rank, env.world_size, backend, addr, port)

@@ -7,6 +7,9 @@ An RL session's every step returns a version that the very next generate call is
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 import scalarlm
@@ -51,7 +54,8 @@ def test_trained_job_answers_with_its_version_and_the_base_is_unchanged(loop_ser
     assert models[job.id]["scalarlm_version"] == step
 
 
-def test_each_session_step_is_served_by_the_next_generate(loop_server: str) -> None:
+def test_each_session_step_is_served_by_the_next_generate(loop_server_home: tuple[str, Path]) -> None:
+    loop_server, home = loop_server_home
     llm = scalarlm.ScalarLM(api_url=loop_server, timeout=300)
     prompt = FACTS[0]["input"]
     with llm.rl_session(train_args={"loss": "grpo", "learning_rate": 1e-2, "max_seq_len": 64, "dtype": "float32"}) as session:
@@ -66,3 +70,8 @@ def test_each_session_step_is_served_by_the_next_generate(loop_server: str) -> N
             versions.append(version)
         assert versions == sorted(set(versions)) and versions[0] >= 1
     assert session.info().status in ("COMPLETED", "CANCELLED")
+    # Generation overlaps training in a session (max_staleness 1, the default) and this node's vLLM engine runs on
+    # its CPU, bound to all cores but one: the trainer takes that one instead of fighting the engine for its cores.
+    log = (home / "jobs" / session.id / "logs" / "rank-0.log").read_text()
+    threads = int(os.environ.get("OMP_NUM_THREADS") or 1)
+    assert f"rank 0: {threads} CPU threads" in log
