@@ -130,9 +130,8 @@ class TrainingSettings(BaseModel):
     # for the durable write. Skipped where the directory does not exist.
     staging_dir: str = "/dev/shm"
     # Threads of each CPU trainer rank. 0: the host's cores shared among the job's ranks, except for an RL session
-    # that overlaps generation (`max_staleness` >= 1) on an embedded node without GPUs: there the vLLM engine runs on
-    # the same cores, bound to all but one per engine rank (vLLM's CPU default), and the trainer takes only what it
-    # leaves (`trainer_cpu_threads`), so training and generation never fight over a core.
+    # that overlaps generation (`max_staleness` >= 1) on an embedded node without GPUs, whose vLLM engine computes on
+    # the same cores: there the trainer takes half of them (`trainer_cpu_threads`).
     cpu_threads: int = Field(0, ge=0)
 
 
@@ -219,21 +218,20 @@ def trainer_cpu_threads(settings: Settings, *, ranks: int, cores: int, cpu_job: 
     """Threads for each CPU rank of a job (None: the trainer's own share, `cores` ÷ `ranks`).
 
     `training.cpu_threads` when set. Else, for a CPU job that overlaps generation (`overlaps`: an RL session with
-    `max_staleness` >= 1) on an embedded node with the local launcher and no GPUs, the cores vLLM's CPU engine
-    leaves free: it binds its OpenMP threads to every core but one per engine rank (`VLLM_CPU_OMP_THREADS_BIND`
-    "auto"; with another binding the split is unknown and the trainer keeps its share). Measured on 2 cores: an
-    async GRPO step took 2.5 s with the trainer's 2 threads on the engine's core, 1.3 s with 1 thread beside it.
+    `max_staleness` >= 1) on an embedded node with the local launcher and no GPUs, half the cores: vLLM's CPU engine
+    (one worker, TP=1) runs torch's default of one thread per core, and a trainer doing the same while it generates
+    puts two busy OpenMP threads on every core, where each parallel region of either side waits for a descheduled
+    thread. Measured on 2 cores (bench/grpo_learn.py's loop): an async step took 2.5 s with 2 trainer threads, 1.3-1.5
+    s with 1; a synchronous step 1.3-1.6 s either way.
     """
     training = settings.training
     if not cpu_job:
         return None
     if training.cpu_threads:
         return training.cpu_threads
-    on_engine_cores = trainer_shares_gpus(settings) and training.gpus_per_node == 0
-    if not (overlaps and on_engine_cores) or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+    if not (overlaps and trainer_shares_gpus(settings) and training.gpus_per_node == 0):
         return None
-    free = min(cores, settings.engine.tensor_parallel_size)  # the cores vLLM reserves for its front end
-    return max(1, free // max(1, ranks))
+    return max(1, cores // 2 // max(1, ranks))
 
 
 # Short env names for the settings people set most, mapped to their nested place.

@@ -61,26 +61,22 @@ def test_config_file_must_be_a_mapping(tmp_path):
         load_settings(Path(cfg))
 
 
-def test_a_cpu_trainer_overlapping_generation_takes_only_the_cores_the_engine_leaves(tmp_path, monkeypatch):
+def test_a_cpu_trainer_overlapping_generation_takes_half_the_cores(tmp_path):
     from scalarlm.config import Settings, trainer_cpu_threads
 
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     embedded = Settings(home=tmp_path, server={"role": "embedded"})
     session = {"ranks": 1, "cores": 16, "cpu_job": True, "overlaps": True}
-    # vLLM binds its CPU engine to all cores but one per engine rank: the trainer gets those.
-    assert trainer_cpu_threads(embedded, **session) == 1
-    tp2 = Settings(home=tmp_path, server={"role": "embedded"}, engine={"tensor_parallel_size": 2})
-    assert trainer_cpu_threads(tp2, **session) == 2
-    assert trainer_cpu_threads(tp2, **{**session, "ranks": 2}) == 1
-    # No overlap (a plain job, a synchronous session), a GPU job, a GPU node, a node without an engine, or an
-    # engine bound some other way: the trainer keeps its share of the host (None).
+    assert trainer_cpu_threads(embedded, **session) == 8
+    assert trainer_cpu_threads(embedded, **{**session, "ranks": 2}) == 4
+    assert trainer_cpu_threads(embedded, **{**session, "cores": 2}) == 1
+    assert trainer_cpu_threads(embedded, **{**session, "cores": 1}) == 1
+    # No overlap (a plain job, a synchronous session), a GPU job, a GPU node or a node without an engine: the
+    # trainer keeps its share of the host (None).
     assert trainer_cpu_threads(embedded, **{**session, "overlaps": False}) is None
     assert trainer_cpu_threads(embedded, **{**session, "cpu_job": False}) is None
     gpu_node = Settings(home=tmp_path, server={"role": "embedded"}, training={"gpus_per_node": 8})
     assert trainer_cpu_threads(gpu_node, **session) is None
     assert trainer_cpu_threads(Settings(home=tmp_path, server={"role": "api"}), **session) is None
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-7")
-    assert trainer_cpu_threads(embedded, **session) is None
     # An explicit `training.cpu_threads` applies to every CPU job.
     pinned = Settings(home=tmp_path, server={"role": "api"}, training={"cpu_threads": 3})
     assert trainer_cpu_threads(pinned, **{**session, "overlaps": False}) == 3

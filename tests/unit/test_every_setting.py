@@ -311,7 +311,7 @@ EVIDENCE: dict[str, list[str]] = {
         "tests/unit/checkpoint/test_staging.py::test_without_room_to_stage_a_step_is_published_durably_at_once",
     ],
     "Settings.training.cpu_threads": [
-        "tests/unit/test_config.py::test_a_cpu_trainer_overlapping_generation_takes_only_the_cores_the_engine_leaves",
+        "tests/unit/test_config.py::test_a_cpu_trainer_overlapping_generation_takes_half_the_cores",
         "tests/unit/training/test_cpu_threads.py::test_the_control_planes_count_wins_over_the_share_and_omp_num_threads_over_both",
         "tests/integration/loop/test_closed_loop.py::test_each_session_step_is_served_by_the_next_generate",
     ],
