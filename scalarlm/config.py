@@ -214,11 +214,13 @@ def host_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def trainer_cpu_threads(settings: Settings, *, ranks: int, cores: int, cpu_job: bool, overlaps: bool) -> int | None:
+def trainer_cpu_threads(settings: Settings, *, ranks: int, cores: int, cpu_job: bool, overlaps: bool,
+                        beside_engine: bool) -> int | None:  # fmt: skip
     """Threads for each CPU rank of a job (None: the trainer's own share, `cores` ÷ `ranks`).
 
     `training.cpu_threads` when set. Else, for a CPU job that overlaps generation (`overlaps`: an RL session with
-    `max_staleness` >= 1) on an embedded node with the local launcher and no GPUs, half the cores: vLLM's CPU engine
+    `max_staleness` >= 1) on the engine's host (`beside_engine`: an embedded node's local launcher) without GPUs,
+    half of its `cores`: vLLM's CPU engine
     (one worker, TP=1) runs torch's default of one thread per core, and a trainer doing the same while it generates
     puts two busy OpenMP threads on every core, where each parallel region of either side waits for a descheduled
     thread. Measured on 2 cores (bench/grpo_learn.py's loop): an async step took 2.5 s with 2 trainer threads, 1.3-1.5
@@ -229,7 +231,7 @@ def trainer_cpu_threads(settings: Settings, *, ranks: int, cores: int, cpu_job: 
         return None
     if training.cpu_threads:
         return training.cpu_threads
-    if not (overlaps and trainer_shares_gpus(settings) and training.gpus_per_node == 0):
+    if not (overlaps and beside_engine and training.gpus_per_node == 0):
         return None
     return max(1, cores // 2 // max(1, ranks))
 

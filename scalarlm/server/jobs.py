@@ -188,18 +188,17 @@ class TrainingJobs:
             raise
 
     def _shares_gpus(self, launcher: Launcher) -> bool:
-        """True when the job's ranks run on this node's GPUs beside the embedded vLLM engine."""
+        """True when the job's ranks run on this node (its GPUs, or its cores) beside the embedded vLLM engine."""
         return self.settings.server.role == "embedded" and launcher.name == "local"
 
     def _launch(self, job: JobDir, config: TrainJobConfig, launcher: Launcher) -> JobStatus:
         limit = min(config.train_args.timeout, self.settings.training.max_train_seconds)
-        shares = config.train_args.gpus > 0 and self._shares_gpus(launcher)
-        share = gpu_memory_split(self.settings).trainer if shares else 0.0
         args = config.train_args
-        threads = None
-        if launcher.name == "local":  # this host's cores; a SLURM node's are its own
-            threads = trainer_cpu_threads(self.settings, ranks=args.world_size, cores=host_cores(), cpu_job=args.gpus == 0,
-                                          overlaps=config.session and config.session_max_staleness > 0)  # fmt: skip
+        beside_engine = self._shares_gpus(launcher)
+        share = gpu_memory_split(self.settings).trainer if args.gpus > 0 and beside_engine else 0.0
+        threads = trainer_cpu_threads(self.settings, ranks=args.world_size, cores=host_cores(), cpu_job=args.gpus == 0,
+                                      overlaps=config.session and config.session_max_staleness > 0,
+                                      beside_engine=beside_engine)  # fmt: skip
         config = config.model_copy(update={
             "max_train_seconds": float(limit),  # the trainer stops itself there
             "gpu_memory_fraction": share or None,  # its ranks leave the engine its share of each GPU

@@ -65,7 +65,7 @@ def test_a_cpu_trainer_overlapping_generation_takes_half_the_cores(tmp_path):
     from scalarlm.config import Settings, trainer_cpu_threads
 
     embedded = Settings(home=tmp_path, server={"role": "embedded"})
-    session = {"ranks": 1, "cores": 16, "cpu_job": True, "overlaps": True}
+    session = {"ranks": 1, "cores": 16, "cpu_job": True, "overlaps": True, "beside_engine": True}
     assert trainer_cpu_threads(embedded, **session) == 8
     assert trainer_cpu_threads(embedded, **{**session, "ranks": 2}) == 4
     assert trainer_cpu_threads(embedded, **{**session, "cores": 2}) == 1
@@ -76,8 +76,8 @@ def test_a_cpu_trainer_overlapping_generation_takes_half_the_cores(tmp_path):
     assert trainer_cpu_threads(embedded, **{**session, "cpu_job": False}) is None
     gpu_node = Settings(home=tmp_path, server={"role": "embedded"}, training={"gpus_per_node": 8})
     assert trainer_cpu_threads(gpu_node, **session) is None
-    assert trainer_cpu_threads(Settings(home=tmp_path, server={"role": "api"}), **session) is None
+    assert trainer_cpu_threads(embedded, **{**session, "beside_engine": False}) is None
     # An explicit `training.cpu_threads` applies to every CPU job.
     pinned = Settings(home=tmp_path, server={"role": "api"}, training={"cpu_threads": 3})
-    assert trainer_cpu_threads(pinned, **{**session, "overlaps": False}) == 3
+    assert trainer_cpu_threads(pinned, **{**session, "overlaps": False, "beside_engine": False}) == 3
     assert trainer_cpu_threads(pinned, **{**session, "cpu_job": False}) is None
