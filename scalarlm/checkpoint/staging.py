@@ -5,6 +5,9 @@ When the trainer and the engine share a host, the trainer writes step N into `<s
 the catalog serves a complete staged step that is newer than the durable `latest`. A background thread then lands
 the same files as `checkpoints/step-N/` with `publish_step` (temp dir, fsync, rename, `latest`) while training goes
 on, and announces again, so the catalog moves to the durable copy: that is what a restart or another host reads.
+Landings queue, one at a time in step order, so a step whose predecessor is still landing does not wait for it (on a
+GPU a large model's durable write can outlast an RL step); the trainer waits only when the staging directory runs out
+of room, or at a resume save, which needs its step durable.
 A kill during the landing leaves the previous durable step and a `step-N.tmp/` the next publish replaces, never a
 torn `step-N/`. The control plane removes staged copies once their durable copy has landed (`prune_staged`).
 """
@@ -17,6 +20,7 @@ import os
 import shutil
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -97,17 +101,23 @@ def land_staged(job: JobDir, staged: Path, manifest: CheckpointManifest) -> Path
     return publish_step(job, manifest, copy)
 
 
-def land_orphaned(job: JobDir) -> int | None:
-    """Once the trainer is gone: land the complete staged step newer than the durable `latest` whose landing it did
-    not finish (it crashed), so the version being served stays and a restart or another worker can read it; return
-    that step (None when there is none)."""
+def land_orphaned(job: JobDir) -> list[int]:
+    """Once the trainer is gone: land, in step order, every complete staged step newer than the durable `latest`
+    whose landing it did not finish (it crashed with landings queued), so the version being served stays and a
+    restart or another worker can read it; return those steps."""
     staged = staged_step(job)
-    durable = latest_step(job)
-    if staged is None or (durable is not None and staged[0] <= durable):
-        return None
-    step, path = staged
-    land_staged(job, path, CheckpointManifest.model_validate_json((path / "manifest.json").read_text()))
-    return step
+    if staged is None:
+        return []
+    durable = latest_step(job) or 0
+    folder = staged[1].parent  # this job's staging folder: every staged step lies beside the newest
+    steps = sorted(int(d.name[5:]) for d in folder.iterdir() if d.name.startswith("step-") and d.name[5:].isdigit())
+    landed = []
+    for step in steps:
+        path = folder / f"step-{step}"
+        if step > durable and step <= staged[0] and (path / "manifest.json").exists():
+            land_staged(job, path, CheckpointManifest.model_validate_json((path / "manifest.json").read_text()))
+            landed.append(step)
+    return landed
 
 
 def prune_staged(job: JobDir, root: Path, now: float | None = None) -> list[int]:
@@ -154,54 +164,82 @@ def _room(root: Path) -> int:
 
 
 class StagedPublisher:
-    """Rank 0's publisher of full weights: `publish` stages and returns; the durable landing runs in a thread,
-    one at a time in step order, then calls `on_landed(step)`. `wait` joins it and raises what it raised.
+    """Rank 0's publisher of full weights: `publish` stages and returns; a thread lands the staged steps durably, one
+    at a time in step order, calling `on_landed(step)` after each. `wait` blocks until every queued landing is done
+    and raises what one raised (then nothing after it lands: `latest` never skips a step).
 
     A step is staged only while the staging directory has room for two copies of `expected_bytes` (the base
-    checkpoint's size; a container's /dev/shm is often 64 MiB, and vLLM needs some of it): otherwise, or when
-    writing there fails, it is published durably at once, as without staging."""
+    checkpoint's size; a container's /dev/shm is often 64 MiB, and vLLM needs some of it). Without room the queued
+    landings finish first (the control plane then removes their staged copies); if there is still none, or writing
+    there fails, the step is published durably at once, as without staging."""
 
     def __init__(self, job: JobDir, root: Path, on_landed: Callable[[int], object], expected_bytes: int = 0) -> None:
         self.job, self.root, self.on_landed = job, root, on_landed
         self.expected_bytes = expected_bytes
+        self._lock = threading.Lock()
+        self._queue: deque[tuple[Path, CheckpointManifest]] = deque()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
     def publish(self, job: JobDir, manifest: CheckpointManifest, write: Callable[[Path], None]) -> Path:
-        """`publish_step`'s signature: stage step N now and land it in the background (or publish it durably)."""
-        self.wait()  # the previous landing first: `latest` moves forward only
-        free = _room(self.root)
-        if free < 2 * self.expected_bytes + STAGING_HEADROOM_BYTES:
-            logger.warning("staging %s has %.0f MiB free, too little for a %.0f MiB checkpoint: publishing step %d "
-                           "durably", self.root, free / 2**20, self.expected_bytes / 2**20, manifest.step)
-            return publish_step(job, manifest, write)
+        """`publish_step`'s signature: stage step N now and queue its landing (or publish it durably)."""
+        self._raise_error()
+        if not self._has_room():
+            self.wait()
+            if not self._has_room():
+                logger.warning("staging %s has too little room for a %.0f MiB checkpoint: publishing step %d durably",
+                               self.root, self.expected_bytes / 2**20, manifest.step)
+                return publish_step(job, manifest, write)
         try:
             staged = stage_step(job, self.root, manifest, write)
         except OSError as e:  # e.g. the memory filesystem filled up
             logger.warning("could not stage step %d in %s (%s): publishing it durably", manifest.step, self.root, e)
             shutil.rmtree(self.root / job.job_id / f"step-{manifest.step}.tmp", ignore_errors=True)
+            self.wait()  # `latest` moves forward only: the queued steps land first
             return publish_step(job, manifest, write)
-        durable_manifest = manifest.model_copy()
-        self._thread = threading.Thread(target=self._land, args=(staged, durable_manifest), name="land-checkpoint",
-                                        daemon=True)  # fmt: skip
-        self._thread.start()
+        with self._lock:
+            self._queue.append((staged, manifest.model_copy()))
+            if len(self._queue) > 1:
+                logger.info("step %d staged; %d landings queued", manifest.step, len(self._queue))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._land_queued, name="land-checkpoint", daemon=True)
+                self._thread.start()
         return staged
 
-    def _land(self, staged: Path, manifest: CheckpointManifest) -> None:
-        started = time.monotonic()
-        try:
-            land_staged(self.job, staged, manifest)
-        except BaseException as e:  # re-raised in the training thread by wait()
-            self._error = e
-            return
-        logger.info("landed step %d durably in %.2f s", manifest.step, time.monotonic() - started)
-        self.on_landed(manifest.step)
+    def _has_room(self) -> bool:
+        return _room(self.root) >= 2 * self.expected_bytes + STAGING_HEADROOM_BYTES
+
+    def _land_queued(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._thread = None
+                    return
+                staged, manifest = self._queue[0]
+            started = time.monotonic()
+            try:
+                land_staged(self.job, staged, manifest)
+            except BaseException as e:  # re-raised in the training thread; the later steps stay staged, unlanded
+                with self._lock:
+                    self._error = e
+                    self._queue.clear()
+                    self._thread = None
+                return
+            with self._lock:
+                self._queue.popleft()
+            logger.info("landed step %d durably in %.2f s", manifest.step, time.monotonic() - started)
+            self.on_landed(manifest.step)
 
     def wait(self) -> None:
-        """Block until the pending landing (if any) is done; raise its error."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
+        """Block until every queued landing is done; raise the error of one that failed."""
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        self._raise_error()
+
+    def _raise_error(self) -> None:
+        with self._lock:
             error, self._error = self._error, None
+        if error is not None:
             raise RuntimeError(f"the durable copy of a staged checkpoint could not be written: {error}") from error

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from scalarlm.checkpoint import JobDir, latest_step, list_steps, publish_step
 from scalarlm.checkpoint.staging import (
     STAGED_GRACE_SECONDS,
     StagedPublisher,
+    land_orphaned,
     land_staged,
     prune_staged,
     remove_empty_staging,
@@ -80,19 +82,73 @@ def test_a_staged_copy_is_pruned_once_landed_and_superseded_or_after_the_grace(j
     assert not root.exists()
 
 
-def test_the_publisher_lands_in_the_background_and_reports_a_failed_landing(job: JobDir, tmp_path: Path) -> None:
-    landed: list[int] = []
-    publisher = StagedPublisher(job, tmp_path / "shm", landed.append)
+class HeldLandings:
+    """An `on_landed` that records each landed step and holds the landing thread after step 1 until released, so
+    the steps published meanwhile queue behind it."""
+
+    def __init__(self) -> None:
+        self.landed: list[int] = []
+        self.release = threading.Event()
+
+    def __call__(self, step: int) -> None:
+        self.landed.append(step)
+        if step == 1:
+            self.release.wait(60)
+
+    def wait_for_first(self) -> None:
+        deadline = time.monotonic() + 30
+        while not self.landed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert self.landed == [1]
+
+
+def test_a_step_does_not_wait_for_the_previous_landing(job: JobDir, tmp_path: Path) -> None:
+    held = HeldLandings()
+    publisher = StagedPublisher(job, tmp_path / "shm", held)
     staged = publisher.publish(job, manifest(1), weights(b"one"))
-    assert servable_step(job)[0] == 1 and staged.exists()
-    publisher.wait()
-    assert landed == [1] and latest_step(job) == 1
-    job.step_dir(2).parent.mkdir(parents=True, exist_ok=True)
-    job.step_dir(2).write_text("not a directory")  # the landing cannot replace it
+    assert servable_step(job) == (1, staged) and staged.exists()
+    held.wait_for_first()
     publisher.publish(job, manifest(2), weights(b"two"))
+    publisher.publish(job, manifest(3), weights(b"three"))
+    assert not held.release.is_set() and held.landed == [1]  # 2 and 3 were staged while the landing thread was busy
+    assert servable_step(job) == (3, tmp_path / "shm" / "j" / "step-3") and latest_step(job) == 1
+    held.release.set()
+    publisher.wait()
+    assert held.landed == [1, 2, 3] and list_steps(job) == [1, 2, 3] and latest_step(job) == 3
+    assert (job.checkpoints_dir / "latest").read_text().strip() == "step-3"
+
+
+def test_a_failed_landing_stops_the_queue_and_is_reported(job: JobDir, tmp_path: Path) -> None:
+    held = HeldLandings()
+    publisher = StagedPublisher(job, tmp_path / "shm", held)
+    publisher.publish(job, manifest(1), weights(b"one"))
+    held.wait_for_first()
+    job.step_dir(2).write_text("not a directory")  # step 2's landing cannot replace it
+    publisher.publish(job, manifest(2), weights(b"two"))
+    publisher.publish(job, manifest(3), weights(b"three"))
+    held.release.set()
     with pytest.raises(RuntimeError, match="durable copy"):
         publisher.wait()
-    assert landed == [1] and latest_step(job) == 1
+    assert held.landed == [1] and list_steps(job) == [1] and latest_step(job) == 1  # `latest` never skips step 2
+    assert servable_step(job)[0] == 3  # what was staged still serves
+    publisher.wait()  # the error was reported once
+    job.step_dir(2).unlink()
+    assert land_orphaned(job) == [2, 3]  # the reconcile after the failed job lands both, in order
+    assert list_steps(job) == [1, 2, 3] and (job.step_dir(3) / "model.safetensors").read_bytes() == b"three"
+
+
+def test_orphaned_staged_steps_land_in_order_after_a_crash(job: JobDir, tmp_path: Path) -> None:
+    root = tmp_path / "shm"
+    assert land_orphaned(job) == []  # nothing staged
+    publish_step(job, manifest(1), weights(b"one"))
+    one = stage_step(job, root, manifest(1), weights(b"one"))
+    assert land_orphaned(job) == [] and one.exists()  # already durable
+    for step in (2, 3):
+        stage_step(job, root, manifest(step), weights(f"w{step}".encode()))
+    (root / "j" / "step-4.tmp").mkdir()  # a step the trainer was writing when it died: never served, not landed
+    assert land_orphaned(job) == [2, 3]
+    assert list_steps(job) == [1, 2, 3] and (job.step_dir(2) / "model.safetensors").read_bytes() == b"w2"
+    assert land_orphaned(job) == []
 
 
 LAND = """
