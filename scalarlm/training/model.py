@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -291,29 +292,45 @@ def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool 
         model.rotary_pos_emb.inv_freq = model.rotary_pos_emb.inv_freq / arch.rope_linear_factor
     adapt(model, arch, torch.bfloat16 if bf16 else torch.float32, _per_document_rope)
     if arch.expert_shard[1] > 1:
-        for layer in model.decoder.layers:
-            if arch.is_moe(layer.layer_number - 1):
-                _pad_to_the_group(layer.mlp)
+        _pad_to_the_group(model, [layer.mlp for layer in model.decoder.layers if arch.is_moe(layer.layer_number - 1)])
     return model
 
 
-def _pad_to_the_group(moe: torch.nn.Module) -> None:
+def _pad_to_the_group(model: torch.nn.Module, moes: list[torch.nn.Module]) -> None:
     """Expert parallelism with the allgather dispatcher needs every rank of the expert group to send as many tokens:
     a packed micro-batch ([T, 1]) is padded with zero tokens to the group's longest and the output cut back.
 
     Exact: the padding's outputs are dropped, so it adds no gradient, and the padding mask keeps it out of the
-    load-balancing loss.
+    load-balancing loss. Every MoE layer of one forward pass sees the same tokens, so the group's longest is asked
+    once per pass (one all-reduce and one host sync, not one per layer; a recomputed layer asks none):
+    `model.length_syncs` counts the asks.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     group = parallel_state.get_expert_tensor_and_model_parallel_group()
+    longest: dict[int, int] = {}  # this forward pass's local token count -> the group's longest
+    model.length_syncs = 0
+    model.register_forward_pre_hook(lambda *_: longest.clear())
+
+    def group_length(hidden_states: Tensor) -> int:
+        local = hidden_states.shape[0]
+        if local not in longest:
+            length = torch.tensor([local], dtype=torch.int64, device=hidden_states.device)
+            dist.all_reduce(length, op=dist.ReduceOp.MAX, group=group)
+            longest[local] = int(length)
+            model.length_syncs += 1
+        return longest[local]
+
+    for moe in moes:
+        _pad_moe(moe, group_length)
+
+
+def _pad_moe(moe: torch.nn.Module, group_length: Callable[[Tensor], int]) -> None:
     inner = moe.forward
 
     def forward(hidden_states: Tensor, *args, padding_mask: Tensor | None = None, **kwargs):
-        length = torch.tensor([hidden_states.shape[0]], dtype=torch.int64, device=hidden_states.device)
-        dist.all_reduce(length, op=dist.ReduceOp.MAX, group=group)
-        pad = int(length) - hidden_states.shape[0]
+        pad = group_length(hidden_states) - hidden_states.shape[0]
         if pad == 0:
             return inner(hidden_states, *args, padding_mask=padding_mask, **kwargs)
         seq, batch = hidden_states.shape[:2]

@@ -9,7 +9,8 @@ so the dispatcher carries each rank's tokens to the other rank's experts and bac
 * `prob_diff`: max |megatron's routing probabilities - HF's top-k weights| (zero off the chosen experts);
 * `layer_diff`: max |MoE block output| difference (megatron's `mlp` vs HF's sparse block);
 * `logit_diff`: max |whole-model logits| difference; `moe_layers`: how many layers were compared;
-* `local_experts`: experts per rank; `read_fraction`: the most any rank read of the checkpoint's bytes.
+* `local_experts`: experts per rank; `read_fraction`: the most any rank read of the checkpoint's bytes;
+* `length_syncs`: how often the forward pass asked the expert group for its longest micro-batch (EP > 1).
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def check(model_dir: Path, par) -> dict:
         layer_diff = max(layer_diff, (o["out"] - t["out"]).abs().max().item())
     mine = {"router_logit_diff": router_diff, "experts_equal": experts_equal, "prob_diff": prob_diff,
             "layer_diff": layer_diff, "logit_diff": (our_logits - their_logits).abs().max().item(),
-            "read_fraction": read["bytes_read"] / read["stored_bytes"]}  # fmt: skip
+            "read_fraction": read["bytes_read"] / read["stored_bytes"],
+            "length_syncs": getattr(model, "length_syncs", 0)}  # fmt: skip
     every: list = [None] * par.world_size
     torch.distributed.all_gather_object(every, mine)
     worst = {key: max(r[key] for r in every) for key in mine if key != "experts_equal"}
