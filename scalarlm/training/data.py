@@ -276,6 +276,12 @@ def chunks(n: int, per_chunk: int, count: int | None = None) -> list[range]:
     return out + [range(n, n)] * ((count or 0) - len(out))
 
 
+def even_count(blocks_per_rank: Sequence[int], per_micro: int) -> int:
+    """Expert parallelism: the micro-batches every DP rank runs, so that the expert group's ranks stay in step: as
+    many as the rank with the most blocks packs into (at least one)."""
+    return max(1, max(-(-n // per_micro) for n in blocks_per_rank))
+
+
 @dataclass(frozen=True)
 class StepBatch:
     """This rank's micro-batches of one step, and counts over the whole global batch."""
@@ -304,7 +310,7 @@ def spread_batch(blocks: Sequence[Block], batch_size: int, dp_size: int, dp_rank
     `batch_size` blocks per micro-batch (a rank may get none when there are fewer blocks than ranks). `even` (expert
     parallelism): every rank gets as many micro-batches, fillers first where it has fewer."""
     mine = list(blocks[dp_rank::dp_size])
-    count = max(1, -(-len(blocks[::dp_size]) // batch_size)) if even else None  # rank 0 holds the most blocks
+    count = even_count([len(blocks[r::dp_size]) for r in range(dp_size)], batch_size) if even else None
     spans = chunks(len(mine), batch_size, count)
     micro = [filler_micro(pad_id) for s in spans if not s] + [collate_packed(mine[s.start : s.stop], pad_id)
                                                               for s in spans if s]  # fmt: skip

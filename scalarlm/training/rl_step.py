@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from scalarlm.training.data import MicroBatch, pack
+from scalarlm.training.data import MicroBatch, even_count, pack
 from scalarlm.training.grpo import (
     RLDoc,
     RLMicroBatch,
@@ -75,11 +75,10 @@ def rl_batch(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> RLBatch:
 
 
 def _micro_count(docs: list[RLDoc], dp_size: int, max_len: int, per_micro: int) -> int:
-    """The most micro-batches any DP rank's share of `docs` packs into (every rank computes the same number: all
-    ranks hold every document)."""
-    blocks = [len(pack([d.doc for d in docs[r::dp_size]], range(len(docs[r::dp_size])), max_len, packing=True))
-              for r in range(dp_size)]  # fmt: skip
-    return max(1, max(-(-n // per_micro) for n in blocks))
+    """`data.even_count` over the blocks each DP rank's share of `docs` packs into (every rank computes the same
+    number: all ranks hold every document)."""
+    shares = [[d.doc for d in docs[r::dp_size]] for r in range(dp_size)]
+    return even_count([len(pack(share, range(len(share)), max_len, packing=True)) for share in shares], per_micro)
 
 
 def _reference_logp(trainer: "Trainer", batch: MicroBatch) -> Tensor:
