@@ -44,13 +44,15 @@ def publish_step(job: JobDir, manifest: CheckpointManifest, write: Callable[[Pat
     return final
 
 
-def _step_folders(job: JobDir) -> list[int]:
-    """The steps with a renamed folder (complete or not), from one directory read (no stat of each)."""
+def step_folders(folder: Path) -> list[int]:
+    """The steps with a renamed `step-N/` folder in `folder` (complete or not), ascending, from one directory read
+    (no stat of each)."""
     try:
-        entries = list(os.scandir(job.checkpoints_dir))
+        entries = list(os.scandir(folder))
     except FileNotFoundError:
         return []
-    return [int(e.name[5:]) for e in entries if e.name.startswith("step-") and e.name[5:].isdigit() and e.is_dir()]
+    return sorted(int(e.name[5:]) for e in entries
+                  if e.name.startswith("step-") and e.name[5:].isdigit() and e.is_dir())  # fmt: skip
 
 
 def _complete(job: JobDir, step: int) -> bool:
@@ -59,7 +61,7 @@ def _complete(job: JobDir, step: int) -> bool:
 
 def list_steps(job: JobDir) -> list[int]:
     """Steps with a complete (renamed, manifest-bearing) checkpoint, ascending."""
-    return sorted(step for step in _step_folders(job) if _complete(job, step))
+    return [step for step in step_folders(job.checkpoints_dir) if _complete(job, step)]
 
 
 def latest_step(job: JobDir) -> int | None:
@@ -67,7 +69,7 @@ def latest_step(job: JobDir) -> int | None:
     rename and the pointer's update leaves a complete step the pointer does not name yet). One directory read and
     a manifest check from the newest folder down: the catalog's poll calls this per job, and a job may keep
     hundreds of steps."""
-    for step in sorted(_step_folders(job), reverse=True):
+    for step in reversed(step_folders(job.checkpoints_dir)):
         if _complete(job, step):
             return step
     return None

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from scalarlm.checkpoint.jobdir import JobDir, atomic_write_text
-from scalarlm.checkpoint.publish import latest_step, publish_step
+from scalarlm.checkpoint.publish import latest_step, publish_step, step_folders
 from scalarlm.protocol.training import CheckpointManifest
 
 logger = logging.getLogger(__name__)
@@ -110,9 +110,8 @@ def land_orphaned(job: JobDir) -> list[int]:
         return []
     durable = latest_step(job) or 0
     folder = staged[1].parent  # this job's staging folder: every staged step lies beside the newest
-    steps = sorted(int(d.name[5:]) for d in folder.iterdir() if d.name.startswith("step-") and d.name[5:].isdigit())
     landed = []
-    for step in steps:
+    for step in step_folders(folder):
         path = folder / f"step-{step}"
         if step > durable and step <= staged[0] and (path / "manifest.json").exists():
             land_staged(job, path, CheckpointManifest.model_validate_json((path / "manifest.json").read_text()))
@@ -128,7 +127,7 @@ def prune_staged(job: JobDir, root: Path, now: float | None = None) -> list[int]
     if durable is None or not folder.is_dir():
         return []
     now = time.time() if now is None else now
-    steps = sorted(int(d.name[5:]) for d in folder.iterdir() if d.name.startswith("step-") and d.name[5:].isdigit())
+    steps = step_folders(folder)
     removed = []
     for step in steps:
         if step > durable:

@@ -187,14 +187,14 @@ class TrainingJobs:
             shutil.rmtree(job.root, ignore_errors=True)
             raise
 
-    def _shares_gpus(self, launcher: Launcher) -> bool:
+    def _beside_engine(self, launcher: Launcher) -> bool:
         """True when the job's ranks run on this node (its GPUs, or its cores) beside the embedded vLLM engine."""
         return self.settings.server.role == "embedded" and launcher.name == "local"
 
     def _launch(self, job: JobDir, config: TrainJobConfig, launcher: Launcher) -> JobStatus:
         limit = min(config.train_args.timeout, self.settings.training.max_train_seconds)
         args = config.train_args
-        beside_engine = self._shares_gpus(launcher)
+        beside_engine = self._beside_engine(launcher)
         share = gpu_memory_split(self.settings).trainer if args.gpus > 0 and beside_engine else 0.0
         threads = trainer_cpu_threads(self.settings, ranks=args.world_size, cores=host_cores(), cpu_job=args.gpus == 0,
                                       overlaps=config.session and config.session_max_staleness > 0,
