@@ -62,3 +62,33 @@ def test_a_crash_between_the_rename_and_the_pointer_leaves_the_renamed_step_late
     assert repair_latest(job) == 6 and (job.checkpoints_dir / "latest").read_text() == "step-6\n"
     (job.checkpoints_dir / "latest").unlink()
     assert repair_latest(job) == 6 and (job.checkpoints_dir / "latest").read_text() == "step-6\n"
+
+
+def test_publish_syncs_every_new_file_and_the_folder_but_not_linked_base_files(tmp_path, monkeypatch):
+    """What a power cut could lose is on disk before the rename: each file with new bytes, and the folder's entries
+    (the hard links to the base model's tokenizer files carry no new bytes; their entries ride on the folder's sync)."""
+    import os
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "tokenizer.json").write_text("{}")
+    job = JobDir.under(tmp_path, "j")
+    job.create()
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+    def write(d):
+        (d / "adapter_model.safetensors").write_bytes(b"w" * 10)
+        os.link(base / "tokenizer.json", d / "tokenizer.json")
+
+    final = publish_step(job, CheckpointManifest(job_id="j", step=1, base_model="b", kind="lora"), write)
+    tmp = str(final) + ".tmp"
+    assert {f"{tmp}/adapter_model.safetensors", f"{tmp}/manifest.json", tmp, str(job.checkpoints_dir)} <= set(synced)
+    assert f"{tmp}/tokenizer.json" not in synced
+    assert (final / "tokenizer.json").read_text() == "{}"
