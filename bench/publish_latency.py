@@ -5,8 +5,9 @@ adds nothing beyond its bytes and one answer scores 1.0.
 
 One process: a ~40M-param model, the real SQLite queue whose catalog reads the job's published
 checkpoints (the file-poll path), and the worker's pull loop on an in-process vLLM engine. Each round
-perturbs the weights (standing in for a step), publishes them with `checkpoint.publish_step`, then sends
-one request for the job until a result carries the new version. Full weights and LoRA are reported apart, and
+perturbs the weights (standing in for a step), publishes them with `checkpoint.publish_step` and the trainer's
+own writers (`training.hf_io.write_checkpoint`; `training.lora.write_adapter` with the tokenizer files, as the
+trainer's adapter publish does), then sends one request for the job until a result carries the new version. Full weights and LoRA are reported apart, and
 full weights again as the trainer publishes them on the serving host: staged in /dev/shm, served from there, the
 durable copy landing in the background (`checkpoint.staging`); `publish_blocks_step_seconds_*` is how long the
 "trainer" waited before it could take its next step.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import tempfile
@@ -94,7 +96,7 @@ async def measure(kind: str, model: Any, engine: Any, settings: Any, home: Path,
                     p.add_(0.01 * torch.randn_like(p))
             manifest = CheckpointManifest(job_id=job.job_id, step=step, base_model=settings.model, kind=kind)
             start = time.perf_counter()
-            publish(job, manifest, lambda d: model.save_pretrained(d))
+            publish(job, manifest, writer(model, kind, Path(settings.model)))
             written = time.perf_counter()
             while True:
                 batch = await service.enqueue([{"prompt": "Hello", "sampling": {"max_tokens": 1}}], model=job.job_id)
@@ -124,6 +126,26 @@ async def measure(kind: str, model: Any, engine: Any, settings: Any, home: Path,
           f"floor {floor:.3f}s (write+read {io:.3f}s + one answer {answer:.3f}s), ratio {latency / floor:.2f}; "
           f"swaps {engine.load.swaps}")
     return {"latency": latency, "floor": floor, "blocks": statistics.median(writes)}
+
+
+def writer(model: Any, kind: str, base: Path) -> Callable[[Path], None]:
+    """What the trainer writes for a step of `model` (HF, or PEFT for `lora`), with its own writers."""
+    from scalarlm.training import hf_io, lora
+
+    if kind == "lora":
+        from peft import get_peft_model_state_dict
+
+        state = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+        config = json.loads(json.dumps(model.peft_config["default"].to_dict(), default=sorted))  # sets: lists
+
+        def write_adapter(dest: Path) -> None:
+            lora.write_adapter(dest, state, config)
+            hf_io.copy_support_files(base, dest)
+
+        return write_adapter
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    config = model.config.to_dict()
+    return lambda dest: hf_io.write_checkpoint(dest, state, base, config)
 
 
 async def _request_seconds(service: Any, model: str, rounds: int) -> float:
