@@ -159,7 +159,7 @@ class PullLoop:
                     backoff = min(backoff * 2, longest)
                 continue
             backoff = poll
-            prompts = await asyncio.to_thread(engine_prompts, reply.requests, self._tokenizer)
+            prompts = await asyncio.to_thread(engine_prompts, reply.requests, self._tokenizer, self.engine.llm.renderer)
             for item, prompt in zip(reply.requests, prompts):
                 self._submit(item, prompt)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from scalarlm.inference.vllm_api import RequestOutputKind
+from scalarlm.inference.vllm_api import RequestOutputKind, parse_model_prompt
 from scalarlm.inference.vllm_api import SamplingParams as VllmSamplingParams
 from scalarlm.protocol.generate import SamplingParams, WorkItem
 
@@ -65,11 +65,15 @@ class SamplingCache:
         return cached
 
 
-def engine_prompts(items: list[WorkItem], tokenizer: Any) -> list[dict[str, Any] | Exception]:
+def engine_prompts(items: list[WorkItem], tokenizer: Any, renderer: Any = None) -> list[dict[str, Any] | Exception]:
     """The vLLM prompt of each leased item, every text prompt tokenized in one batched call (special tokens added,
     as vLLM's own tokenization of a text prompt does), so the engine is handed token ids and does not tokenize each
     request on its own; chat messages rendered with the chat template. A tokenizer that cannot batch leaves the
-    text to vLLM. An item whose messages cannot be rendered gets the exception, to become its own error result."""
+    text to vLLM. An item whose messages cannot be rendered gets the exception, to become its own error result.
+
+    With `renderer` (the engine's `AsyncLLM.renderer`) each prompt is also rendered here into vLLM's engine input,
+    as `AsyncLLM.add_request` would otherwise do for each request on its own thread-pool hop (a rendered input is
+    added inline); an item that cannot be rendered gets the exception."""
     prompts: list[dict[str, Any] | Exception] = [{} for _ in items]
     for i, item in enumerate(items):
         if item.messages is not None:
@@ -86,7 +90,18 @@ def engine_prompts(items: list[WorkItem], tokenizer: Any) -> list[dict[str, Any]
         encoded = None
     for n, i in enumerate(texts):
         prompts[i] = {"prompt_token_ids": list(encoded[n])} if encoded is not None else {"prompt": items[i].prompt or ""}
-    return prompts
+    return prompts if renderer is None else [render(prompt, renderer) for prompt in prompts]
+
+
+def render(prompt: dict[str, Any] | Exception, renderer: Any) -> dict[str, Any] | Exception:
+    """vLLM's engine input for one prompt, rendered the way `add_request` renders a raw prompt (the renderer's default
+    completion tokenize parameters); the exception, if it cannot be."""
+    if isinstance(prompt, Exception):
+        return prompt
+    try:
+        return renderer.render_cmpl([parse_model_prompt(renderer.model_config, prompt)])[0]
+    except Exception as exc:
+        return exc
 
 
 def to_engine_prompt(item: WorkItem, tokenizer: Any) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from vllm.lora.request import LoRARequest
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
 from vllm.platforms import current_platform
+from vllm.renderers.inputs.preprocess import parse_model_prompt
 from vllm.sampling_params import RequestOutputKind
 from vllm.usage.usage_lib import UsageContext
 from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -70,6 +71,7 @@ __all__ = [
     "engine_device",
     "init_app_state",
     "make_arg_parser",
+    "parse_model_prompt",
     "sanitize_message",
     "validate_parsed_serve_args",
 ]

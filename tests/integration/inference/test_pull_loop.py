@@ -127,3 +127,22 @@ async def test_stop_finishes_and_posts_every_leased_item(
     assert counts.completed + counts.queued == 400
     assert vllm_engine.load.in_flight == 0
     service.close()
+
+
+async def test_leased_prompts_reach_the_engine_rendered_as_vllm_renders_them(vllm_engine: Any) -> None:
+    """The pull loop renders a leased batch in one thread hop; `add_request` then adds each inline (a raw prompt
+    took one hop to vLLM's renderer pool per request). The engine input is the one vLLM renders from the text."""
+    from scalarlm.inference.sampling import engine_prompts
+    from scalarlm.protocol.generate import ChatMessage, SamplingParams, WorkItem
+
+    renderer = vllm_engine.llm.renderer
+    texts = ["What is 2 + 2?", ""]
+    items = [WorkItem(request_id=f"t{i}", model="tiny", prompt=t, sampling=SamplingParams()) for i, t in enumerate(texts)]
+    items.append(WorkItem(request_id="c", model="tiny", messages=[ChatMessage(role="user", content="hi")],
+                          sampling=SamplingParams()))  # fmt: skip
+    prompts = engine_prompts(items, vllm_engine.llm.get_tokenizer(), renderer)
+    assert all(isinstance(p, dict) and p["type"] == "token" for p in prompts)
+    for prompt, text in zip(prompts, texts):
+        assert prompt["prompt_token_ids"] == renderer.render_cmpl([{"prompt": text}])[0]["prompt_token_ids"]
+    assert prompts[2]["prompt_token_ids"] == engine_prompts(items[2:], vllm_engine.llm.get_tokenizer())[0][
+        "prompt_token_ids"]  # fmt: skip
