@@ -6,8 +6,8 @@ adds nothing beyond its bytes and one answer scores 1.0.
 One process: a ~40M-param model, the real SQLite queue whose catalog reads the job's published
 checkpoints (the file-poll path), and the worker's pull loop on an in-process vLLM engine. Each round
 perturbs the weights (standing in for a step), publishes them with `checkpoint.publish_step` and the trainer's
-own writers (`training.hf_io.write_checkpoint`; `training.lora.write_adapter` with the tokenizer files, as the
-trainer's adapter publish does), then sends one request for the job until a result carries the new version. Full weights and LoRA are reported apart, and
+own writers (`training.hf_io.write_checkpoint`, `training.lora.write_adapter`), then sends one request for the
+job until a result carries the new version. Full weights and LoRA are reported apart, and
 full weights again as the trainer publishes them on the serving host: staged in /dev/shm, served from there, the
 durable copy landing in the background (`checkpoint.staging`); `publish_blocks_step_seconds_*` is how long the
 "trainer" waited before it could take its next step.
@@ -137,12 +137,7 @@ def writer(model: Any, kind: str, base: Path) -> Callable[[Path], None]:
 
         state = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(model).items()}
         config = json.loads(json.dumps(model.peft_config["default"].to_dict(), default=sorted))  # sets: lists
-
-        def write_adapter(dest: Path) -> None:
-            lora.write_adapter(dest, state, config)
-            hf_io.copy_support_files(base, dest)
-
-        return write_adapter
+        return lambda dest: lora.write_adapter(dest, state, config, base)
     state = {k: v.detach() for k, v in model.state_dict().items()}
     config = model.config.to_dict()
     return lambda dest: hf_io.write_checkpoint(dest, state, base, config)

@@ -197,12 +197,7 @@ class Trainer:
         if self.par.is_main:
             state = lora.peft_state(self.model, self.arch)
             config = lora.peft_config(self.args.lora_config, self.arch, str(self.config.base_model))
-
-            def write(dest: Path) -> None:
-                lora.write_adapter(dest, state, config)
-                hf_io.copy_support_files(self.base, dest)
-
-            path = publish_step(self.job, manifest, write)
+            path = publish_step(self.job, manifest, lambda dest: lora.write_adapter(dest, state, config, self.base))
             logger.info("published adapter %s", path)
         dist.barrier()
 

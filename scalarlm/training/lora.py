@@ -246,9 +246,14 @@ def peft_config(config: LoraConfig, arch: ModelArch, base_model: str) -> dict[st
     }
 
 
-def write_adapter(dest: Path, state: dict[str, Tensor], config: dict[str, Any]) -> None:
-    """Write adapter_model.safetensors and adapter_config.json into `dest`."""
+def write_adapter(dest: Path, state: dict[str, Tensor], config: dict[str, Any], base_dir: Path | None = None) -> None:
+    """Write adapter_model.safetensors and adapter_config.json into `dest`, with `base_dir`'s tokenizer files (linked,
+    `hf_io.copy_support_files`) when given: what a published adapter holds."""
     from safetensors.torch import save_file
 
     save_file(state, str(dest / "adapter_model.safetensors"), metadata={"format": "pt"})
     (dest / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if base_dir is not None:
+        from scalarlm.training.hf_io import copy_support_files
+
+        copy_support_files(base_dir, dest)

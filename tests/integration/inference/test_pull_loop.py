@@ -137,7 +137,8 @@ async def test_leased_prompts_reach_the_engine_rendered_as_vllm_renders_them(vll
 
     renderer = vllm_engine.llm.renderer
     texts = ["What is 2 + 2?", ""]
-    items = [WorkItem(request_id=f"t{i}", model="tiny", prompt=t, sampling=SamplingParams()) for i, t in enumerate(texts)]
+    items = [WorkItem(request_id=f"t{i}", model="tiny", prompt=t, sampling=SamplingParams())
+             for i, t in enumerate(texts)]  # fmt: skip
     items.append(WorkItem(request_id="c", model="tiny", messages=[ChatMessage(role="user", content="hi")],
                           sampling=SamplingParams()))  # fmt: skip
     prompts = engine_prompts(items, vllm_engine.llm.get_tokenizer(), renderer)
