@@ -218,13 +218,14 @@ def trainer_cpu_threads(settings: Settings, *, ranks: int, cores: int, cpu_job: 
                         beside_engine: bool) -> int | None:  # fmt: skip
     """Threads for each CPU rank of a job (None: the trainer's own share, `cores` ÷ `ranks`).
 
-    `training.cpu_threads` when set. Else, for a CPU job that overlaps generation (`overlaps`: an RL session with
-    `max_staleness` >= 1) on the engine's host (`beside_engine`: an embedded node's local launcher) without GPUs,
-    half of its `cores`: vLLM's CPU engine
+    `training.cpu_threads` when set. Else, for a CPU job while it overlaps generation (`overlaps`: a session step
+    the client generates beside, see SessionStepRequest.overlap) on the engine's host (`beside_engine`: an embedded
+    node's local launcher) without GPUs, half of its `cores`: vLLM's CPU engine
     (one worker, TP=1) runs torch's default of one thread per core, and a trainer doing the same while it generates
     puts two busy OpenMP threads on every core, where each parallel region of either side waits for a descheduled
     thread. Measured on 2 cores (bench/grpo_learn.py's loop): an async step took 2.5 s with 2 trainer threads, 1.3-1.5
-    s with 1; a synchronous step 1.3-1.6 s either way.
+    s with 1. A step nothing generates beside keeps every core: on a 2-core AVX2 box bench/grpo.py's synchronous
+    step took 6.9 s with 1 thread and 4.8 s with 2.
     """
     training = settings.training
     if not cpu_job:

@@ -50,13 +50,13 @@ def _row(row: Mapping[str, Any] | RLRow) -> dict[str, Any]:
     return row.model_dump(exclude_none=True) if isinstance(row, BaseModel) else dict(row)
 
 
-def _step_body(rows: Rows, version: int | None, wait_seconds: float) -> dict[str, Any]:
+def _step_body(rows: Rows, version: int | None, wait_seconds: float, overlap: bool | None = None) -> dict[str, Any]:
     payload = [_row(r) for r in rows]
     if not payload:
         raise ValueError("a session step needs at least one row")
     body: dict[str, Any] = {"rows": payload, "wait_seconds": wait_seconds}
-    if version is not None:  # sent only when known, as older servers take no such field
-        body["version"] = version
+    # sent only when known, as older servers take no such fields
+    body.update({k: v for k, v in (("version", version), ("overlap", overlap)) if v is not None})
     return body
 
 
@@ -76,9 +76,9 @@ def step_flow(session_id: str, rows: Rows, wait_seconds: float, version: int | N
     return SessionStepResponse.model_validate(body)
 
 
-def submit_flow(session_id: str, rows: Rows, version: int | None = None) -> Flow:
+def submit_flow(session_id: str, rows: Rows, version: int | None = None, overlap: bool | None = None) -> Flow:
     """POST .../steps: queue the step, answered at once with its request index."""
-    body = yield Call("POST", f"{SESSIONS}/{session_id}/steps", json=_step_body(rows, version, 0.0))
+    body = yield Call("POST", f"{SESSIONS}/{session_id}/steps", json=_step_body(rows, version, 0.0, overlap))
     return SessionStepState.model_validate(body)
 
 
@@ -146,8 +146,8 @@ class _Session:
         response = yield from step_flow(self.id, rows, self.wait_seconds, version)
         return self._answered(response).version
 
-    def _submit(self, rows: Rows, version: int | None) -> Flow:
-        return (yield from submit_flow(self.id, rows, version))
+    def _submit(self, rows: Rows, version: int | None, overlap: bool | None = None) -> Flow:
+        return (yield from submit_flow(self.id, rows, version, overlap))
 
     def _result(self, request: int, timeout: float | None) -> Flow:
         """Long-poll step `request` until trained (TimeoutError after `timeout` seconds; None: no limit)."""
@@ -161,8 +161,9 @@ class _Session:
                 raise TimeoutError(f"session {self.id}: step {request} is still queued after {timeout:g} s")
 
     def _generate_and_submit(self, index: int, prompts: PromptsFn, score: ScoreFn, max_tokens: int | None,
-                             sampling: dict[str, Any]) -> Flow:  # fmt: skip
-        """Generate step `index`'s batch on the newest served version, score it, queue it stamped with that version."""
+                             sampling: dict[str, Any], overlap: bool) -> Flow:  # fmt: skip
+        """Generate step `index`'s batch on the newest served version, score it, queue it stamped with that version
+        (`overlap`: the next batch is generated while it trains)."""
         own = self.version > 0  # version 0 of the session is the model it started from
         batch = list(prompts(index))
         start = time.monotonic()
@@ -172,7 +173,7 @@ class _Session:
         served = [r.version for r in results if r.version is not None]
         version = min(served, default=self.version) if own else 0
         rows = [_row(r) for r in score(batch, results)]
-        state = yield from self._submit(rows, version)
+        state = yield from self._submit(rows, version, overlap)
         return _Queued(state.request, batch, results, rows, version, seconds)
 
     def _pipeline(self, prompts: PromptsFn, score: ScoreFn, steps: int, max_tokens: int | None,
@@ -185,10 +186,15 @@ class _Session:
 
     def _pipeline_step(self, index: int, steps: int, queued: list["_Queued"], overlap: bool, prompts: PromptsFn,
                        score: ScoreFn, max_tokens: int | None, sampling: dict[str, Any]) -> Flow:  # fmt: skip
+        def overlapped(i: int) -> bool:  # step i trains while step i + 1's batch is generated
+            return overlap and i + 1 < steps
+
         if not queued:
-            queued.append((yield from self._generate_and_submit(index, prompts, score, max_tokens, sampling)))
-        if overlap and index + 1 < steps:  # generated while step `index` trains
-            queued.append((yield from self._generate_and_submit(index + 1, prompts, score, max_tokens, sampling)))
+            queued.append((yield from self._generate_and_submit(index, prompts, score, max_tokens, sampling,
+                                                                overlapped(index))))  # fmt: skip
+        if overlapped(index):  # generated while step `index` trains
+            queued.append((yield from self._generate_and_submit(index + 1, prompts, score, max_tokens, sampling,
+                                                                overlapped(index + 1))))  # fmt: skip
         batch = queued.pop(0)
         response = yield from self._result(batch.request, self.wait_seconds)
         return PipelineStep(index, response, batch.prompts, batch.results, batch.rows, batch.version, batch.seconds)
@@ -262,9 +268,10 @@ class RLSession(_Session):
         """One optimizer step on `rows` (generated with weights `version`); returns the version now serving."""
         return self._run(self._step(rows, version))
 
-    def submit(self, rows: Rows, version: int | None = None) -> StepFuture:
-        """Queue a step on `rows` and return at once; generate the next batch while it trains."""
-        return StepFuture(self, self._run(self._submit(rows, version)))
+    def submit(self, rows: Rows, version: int | None = None, overlap: bool | None = None) -> StepFuture:
+        """Queue a step on `rows` and return at once; generate the next batch while it trains (`overlap=False`
+        says you will not, so a CPU trainer beside its CPU engine takes every core for it)."""
+        return StepFuture(self, self._run(self._submit(rows, version, overlap)))
 
     def pipeline(self, prompts: PromptsFn, score: ScoreFn, steps: int, max_tokens: int | None = None,
                  **sampling: Any) -> Iterator[PipelineStep]:  # fmt: skip
@@ -296,8 +303,8 @@ class AsyncRLSession(_Session):
     async def step(self, rows: Rows, version: int | None = None) -> int:
         return await self._run(self._step(rows, version))
 
-    async def submit(self, rows: Rows, version: int | None = None) -> AsyncStepFuture:
-        return AsyncStepFuture(self, await self._run(self._submit(rows, version)))
+    async def submit(self, rows: Rows, version: int | None = None, overlap: bool | None = None) -> AsyncStepFuture:
+        return AsyncStepFuture(self, await self._run(self._submit(rows, version, overlap)))
 
     def pipeline(self, prompts: PromptsFn, score: ScoreFn, steps: int, max_tokens: int | None = None,
                  **sampling: Any) -> AsyncIterator[PipelineStep]:  # fmt: skip

@@ -188,9 +188,11 @@ class TrainJobConfig(BaseModel):
     # The share of each GPU the trainer's ranks may allocate, set by the control plane when they share the GPUs with
     # its vLLM engine (an embedded node with the local launcher; config.gpu_memory_split). None: the whole GPU.
     gpu_memory_fraction: float | None = Field(None, gt=0, le=1)
-    # Threads of each CPU rank, set by the control plane when the trainer shares this host's cores with its CPU vLLM
-    # engine while generation overlaps training (config.trainer_cpu_threads). None: the host's cores ÷ the ranks.
+    # Threads of each CPU rank, set by the control plane (config.trainer_cpu_threads). None: the host's cores ÷ the
+    # ranks. `cpu_threads_overlapped`: a session step's threads while generation overlaps it on this host's CPU
+    # vLLM engine (the request's `overlap`); None: `cpu_threads`.
     cpu_threads: int | None = Field(None, ge=1)
+    cpu_threads_overlapped: int | None = Field(None, ge=1)
 
     @property
     def time_limit(self) -> float:
@@ -369,6 +371,10 @@ class SessionStepRequest(BaseModel):
     rows: list[dict[str, Any]] = Field(..., min_length=1)
     version: int | None = Field(None, ge=0)
     wait_seconds: float = Field(600.0, ge=0)
+    # Whether the client generates (its next batch) while this step trains. A CPU trainer beside its CPU engine then
+    # leaves the engine half the cores, and otherwise takes them all. None: true for a submitted step (.../steps),
+    # false for one the client waits on (.../step).
+    overlap: bool | None = None
 
 
 class SessionRequestMeta(BaseModel):
@@ -376,6 +382,8 @@ class SessionRequestMeta(BaseModel):
 
     version: int | None = None
     accepted: float = 0.0
+    # The request's `overlap`, resolved (None: written by an older control plane; the trainer treats it as true).
+    overlap: bool | None = None
 
 
 class SessionStepResult(BaseModel):

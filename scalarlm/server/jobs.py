@@ -15,6 +15,7 @@ import time
 import asyncio
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -196,13 +197,15 @@ class TrainingJobs:
         args = config.train_args
         beside_engine = self._beside_engine(launcher)
         share = gpu_memory_split(self.settings).trainer if args.gpus > 0 and beside_engine else 0.0
-        threads = trainer_cpu_threads(self.settings, ranks=args.world_size, cores=host_cores(), cpu_job=args.gpus == 0,
-                                      overlaps=config.session and config.session_max_staleness > 0,
-                                      beside_engine=beside_engine)  # fmt: skip
+        threads = partial(trainer_cpu_threads, self.settings, ranks=args.world_size, cores=host_cores(),
+                          cpu_job=args.gpus == 0, beside_engine=beside_engine)  # fmt: skip
+        overlaps = config.session and config.session_max_staleness > 0
         config = config.model_copy(update={
             "max_train_seconds": float(limit),  # the trainer stops itself there
             "gpu_memory_fraction": share or None,  # its ranks leave the engine its share of each GPU
-            "cpu_threads": threads,  # its CPU ranks leave the engine its cores while generation overlaps training
+            "cpu_threads": threads(overlaps=False),
+            # a session step that overlaps generation leaves the CPU engine its cores
+            "cpu_threads_overlapped": threads(overlaps=True) if overlaps else None,
         })  # fmt: skip
         job.write_config(config)
         with self._lock:

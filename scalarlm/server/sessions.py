@@ -106,7 +106,7 @@ class RLSessions:
     async def step(self, session_id: str, request: SessionStepRequest) -> SessionStepResponse:
         """Queue the step (waiting for a free slot when `max_staleness + 1` are in flight) and wait for its result."""
         deadline = time.monotonic() + request.wait_seconds
-        state = await self._accept(session_id, request, deadline)
+        state = await self._accept(session_id, request, deadline, overlap=request.overlap is True)
         response = await self.result(session_id, state.request, max(0.0, deadline - time.monotonic()))
         if response is None:
             raise EngineUnavailable(
@@ -117,7 +117,7 @@ class RLSessions:
 
     async def submit(self, session_id: str, request: SessionStepRequest) -> SessionStepState:
         """Queue the step and answer at once (429 when `max_staleness + 1` steps are already in flight)."""
-        return await self._accept(session_id, request, None)
+        return await self._accept(session_id, request, None, overlap=request.overlap is not False)
 
     async def state(self, session_id: str, k: int, wait_seconds: float) -> SessionStepState:
         """Where request k stands, waiting up to `wait_seconds` for its result; a refused step raises its error."""
@@ -130,8 +130,10 @@ class RLSessions:
         return SessionStepState(session_id=session_id, request=k, state="queued" if response is None else "trained",
                                 accepted=accepted, result=response)  # fmt: skip
 
-    async def _accept(self, session_id: str, request: SessionStepRequest, deadline: float | None) -> SessionStepState:
-        """Validate, then write meta-<k> and request-<k> once fewer than `max_staleness + 1` steps are in flight."""
+    async def _accept(self, session_id: str, request: SessionStepRequest, deadline: float | None,
+                      overlap: bool) -> SessionStepState:  # fmt: skip
+        """Validate, then write meta-<k> and request-<k> once fewer than `max_staleness + 1` steps are in flight
+        (`overlap`: the request's, resolved for its route)."""
         for i, row in enumerate(request.rows):
             check_row(i, row)
         job, config = await asyncio.to_thread(self.session, session_id)
@@ -150,7 +152,7 @@ class RLSessions:
                 if len(pending) < slots:
                     await asyncio.to_thread(self._check_fresh, session_id, files, config, generated)
                     k = files.next_request_index()
-                    meta = SessionRequestMeta(version=generated, accepted=time.time())
+                    meta = SessionRequestMeta(version=generated, accepted=time.time(), overlap=overlap)
                     await asyncio.to_thread(files.write_request, k, request.rows, meta)
                     return SessionStepState(session_id=session_id, request=k, state="queued", accepted=meta.accepted)
             if deadline is None:

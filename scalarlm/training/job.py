@@ -116,7 +116,8 @@ def run_job(job_dir: Path, environ: Mapping[str, str]) -> int:
     board: TensorBoardLog | None = None
     try:
         par = init_parallel(env, args.tensor_parallel_size, args.seed, gpu_memory_fraction=config.gpu_memory_fraction,
-                            expert_parallel_size=args.expert_parallel_size, cpu_threads=config.cpu_threads)
+                            expert_parallel_size=args.expert_parallel_size, cpu_threads=config.cpu_threads,
+                            cpu_threads_overlapped=config.cpu_threads_overlapped)
         trainer = Trainer(job, config, par, rows, rl_rows)
         trainer.resume_if_saved()
         data = trainer.data_report()

@@ -42,6 +42,9 @@ class Parallel:
     ep_size: int = 1
     ep_rank: int = 0
     ep_group: dist.ProcessGroup | None = None
+    # A CPU rank's threads, and its threads during a session step that overlaps generation (`cpu_thread_counts`);
+    # (0, 0) on a GPU.
+    cpu_threads: tuple[int, int] = (0, 0)
 
     @property
     def is_main(self) -> bool:
@@ -50,6 +53,14 @@ class Parallel:
     @property
     def on_gpu(self) -> bool:
         return self.device.type == "cuda"
+
+    def use_cpu_threads(self, overlapped: bool) -> int:
+        """Run the next step on this CPU rank's threads for it (`overlapped`: generation runs beside it on this
+        host's CPU engine); returns the count (0 on a GPU)."""
+        threads = self.cpu_threads[overlapped]
+        if threads and threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        return threads
 
 
 def _free_port() -> int:
@@ -79,27 +90,28 @@ def _rendezvous(env: LaunchEnv) -> tuple[str, int]:
     return addr, int(port)
 
 
-def set_cpu_threads(env: LaunchEnv, threads: int | None = None) -> int:
-    """Give each CPU rank its share of this host's cores (all of them for one rank): `OMP_NUM_THREADS` when set,
-    else `threads` (the control plane's, when the rank shares the cores with a CPU vLLM engine), else cores ÷ ranks.
+def cpu_thread_counts(env: LaunchEnv, threads: int | None = None, overlapped: int | None = None) -> tuple[int, int]:
+    """(a CPU rank's threads, its threads during a session step that overlaps generation on this host's CPU engine):
+    `OMP_NUM_THREADS` for both when set, else the control plane's `threads` / `overlapped`, else the rank's share of
+    this host's cores (all of them for one rank) / the same as the first.
 
     torch defaults every process to all cores, so N ranks on one host would run N x cores threads and thrash.
     """
-    chosen = env.omp_threads or threads or max(1, host_cores() // max(1, env.local_world_size))
-    torch.set_num_threads(chosen)
-    return chosen
+    alone = env.omp_threads or threads or max(1, host_cores() // max(1, env.local_world_size))
+    return alone, env.omp_threads or overlapped or alone
 
 
 def init_parallel(env: LaunchEnv, tensor_parallel_size: int, seed: int, timeout_s: float = 1800,
                   gpu_memory_fraction: float | None = None, expert_parallel_size: int = 1,
-                  cpu_threads: int | None = None) -> Parallel:
+                  cpu_threads: int | None = None, cpu_threads_overlapped: int | None = None) -> Parallel:
     """Start torch.distributed and megatron's model-parallel state for this rank.
 
     `expert_parallel_size`: ranks that split a mixture-of-experts model's experts (megatron's EP groups lie across
     the data-parallel ranks; the experts keep the dense layers' TP size).
 
     `gpu_memory_fraction`: the share of its GPU this rank may allocate (an embedded node, where vLLM holds the
-    rest); None: the whole GPU. `cpu_threads`: a CPU rank's threads (see `set_cpu_threads`).
+    rest); None: the whole GPU. `cpu_threads` / `cpu_threads_overlapped`: a CPU rank's threads, and its threads
+    during a session step that overlaps generation (see `cpu_thread_counts`).
     """
     from megatron.core import parallel_state, tensor_parallel
 
@@ -107,6 +119,7 @@ def init_parallel(env: LaunchEnv, tensor_parallel_size: int, seed: int, timeout_
         raise InvalidRequest(f"tensor_parallel_size {tensor_parallel_size} x expert_parallel_size "
                              f"{expert_parallel_size} must divide the world size {env.world_size}")  # fmt: skip
     on_gpu = torch.cuda.is_available()
+    threads = (0, 0)
     if on_gpu:
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
@@ -117,7 +130,9 @@ def init_parallel(env: LaunchEnv, tensor_parallel_size: int, seed: int, timeout_
     else:
         activate_if_no_accelerator()
         device = torch.device("cpu")
-        logger.info("rank %d: %d CPU threads", env.rank, set_cpu_threads(env, cpu_threads))
+        threads = cpu_thread_counts(env, cpu_threads, cpu_threads_overlapped)
+        torch.set_num_threads(threads[0])
+        logger.info("rank %d: %d CPU threads (%d while a session step overlaps generation)", env.rank, *threads)
     addr, port = _rendezvous(env)
     backend = "nccl" if on_gpu else "gloo"
     logger.info("rank %d/%d: %s rendezvous at %s:%d", env.rank, env.world_size, backend, addr, port)
@@ -148,6 +163,7 @@ def init_parallel(env: LaunchEnv, tensor_parallel_size: int, seed: int, timeout_
         ep_size=parallel_state.get_expert_model_parallel_world_size(),
         ep_rank=parallel_state.get_expert_model_parallel_rank(),
         ep_group=parallel_state.get_expert_model_parallel_group() if expert_parallel_size > 1 else None,
+        cpu_threads=threads,
     )
 
 

@@ -17,6 +17,9 @@ then carry. Each step's metrics row records `generated_version`, `trained_versio
 `session_idle_seconds` (job config, from `training.session_idle_seconds`) without a request the session ends itself
 like a cancel: state saved, the last published step stays servable, CANCELLED with the idle reason; resuming the
 job continues it.
+
+Threads: a CPU rank beside its CPU engine takes half the cores for a step the client generates beside (the
+request's `overlap`, in its meta) and all its share for one the client waits on; the metrics row says which.
 """
 
 from __future__ import annotations
@@ -160,11 +163,14 @@ def _serve(trainer: "Trainer", files: SessionDir, k: int, on_step: Callable[[dic
     current = trainer.step
     generated = staleness = None
     rows = files.read_request(k) or []
+    meta = files.read_meta(k)
+    # A CPU rank leaves its engine half the cores while the client generates beside this step (unknown: it may).
+    threads = trainer.par.use_cpu_threads(overlapped=meta.overlap is not False)
     if is_op_request(rows):
         _serve_op(trainer, files, k, rows[0], on_step, started)
         return
     try:
-        generated = batch_version(files.read_meta(k).version, rows)
+        generated = batch_version(meta.version, rows)
         staleness = None if generated is None else current - generated
         check_staleness(trainer, rows, generated)
         metrics = session_step(trainer, rows)
@@ -180,6 +186,8 @@ def _serve(trainer: "Trainer", files: SessionDir, k: int, on_step: Callable[[dic
     stale_limit = trainer.config.session_max_staleness
     metrics.update(request=k, generated_version=generated, trained_version=current, staleness=staleness,
                    reweighted=staleness is not None and staleness > stale_limit)  # fmt: skip
+    if threads:
+        metrics["cpu_threads"] = threads
     on_step(metrics)
     trainer.publish(metrics["loss"])
     if trainer.par.is_main:

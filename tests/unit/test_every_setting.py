@@ -312,7 +312,7 @@ EVIDENCE: dict[str, list[str]] = {
     ],
     "Settings.training.cpu_threads": [
         "tests/unit/test_config.py::test_a_cpu_trainer_overlapping_generation_takes_half_the_cores",
-        "tests/unit/training/test_cpu_threads.py::test_the_control_planes_count_wins_over_the_share_and_omp_num_threads_over_both",
+        "tests/unit/training/test_cpu_threads.py::test_the_control_planes_counts_win_over_the_share_and_omp_num_threads_over_both",
         "tests/integration/loop/test_closed_loop.py::test_each_session_step_is_served_by_the_next_generate",
     ],
     "Settings.training.poll_seconds": ["tests/integration/loop/test_catalog.py::test_poll_picks_up_steps_without_a_notice"],

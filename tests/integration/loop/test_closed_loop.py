@@ -7,6 +7,7 @@ An RL session's every step returns a version that the very next generate call is
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -61,18 +62,22 @@ def test_each_session_step_is_served_by_the_next_generate(loop_server_home: tupl
     prompt = FACTS[0]["input"]
     with llm.rl_session(train_args={"loss": "grpo", "learning_rate": 1e-2, "max_seq_len": 64, "dtype": "float32"}) as session:
         versions = []
-        for _ in range(3):
+        for i in range(3):
             rows = [{"prompt": prompt, "completion": c, "reward": r}
                     for c, r in ((" Paris", 1.0), (" blue", 0.0), (" honey", 0.0), (" Paris", 1.0))]  # fmt: skip
-            version = session.step(rows)
+            # The last step is submitted (the client may generate while it trains), the others waited on.
+            version = session.step(rows) if i < 2 else session.submit(rows).result().version
             [result] = llm.generate([prompt], model_name=session.model_name, max_tokens=2, temperature=0,
                                     return_details=True)  # fmt: skip
             assert (result.model, result.version) == (session.model_name, version)
             versions.append(version)
         assert versions == sorted(set(versions)) and versions[0] >= 1
     assert session.info().status in ("COMPLETED", "CANCELLED")
-    # Generation overlaps training in a session (max_staleness 1, the default) and this node's vLLM engine computes
-    # on the same CPU cores: the trainer takes half of them, not one thread on every core beside the engine's.
+    # This node's vLLM engine computes on the trainer's CPU cores. A step the client waits on has them all; one it
+    # may generate beside (max_staleness 1, the default) takes half, not one thread on every core beside the engine's.
+    metrics = [json.loads(line) for line in (home / "jobs" / session.id / "metrics.jsonl").read_text().splitlines()]
+    alone, overlapped = (int(os.environ["OMP_NUM_THREADS"]),) * 2 if "OMP_NUM_THREADS" in os.environ else (
+        host_cores(), max(1, host_cores() // 2))  # fmt: skip
+    assert [m["cpu_threads"] for m in metrics] == [alone, alone, overlapped]
     log = (home / "jobs" / session.id / "logs" / "rank-0.log").read_text()
-    threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, host_cores() // 2))
-    assert f"rank 0: {threads} CPU threads" in log
+    assert f"rank 0: {alone} CPU threads ({overlapped} while a session step overlaps generation)" in log

@@ -10,6 +10,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from scalarlm.checkpoint import JobDir
+from scalarlm.checkpoint.session import SessionDir
 from scalarlm.launcher.local import LocalLauncher
 from scalarlm.server.jobs import TrainingJobs
 from scalarlm.server.sessions import RLSessions
@@ -37,7 +39,7 @@ def use_standin_in(app) -> None:  # type: ignore[no-untyped-def]
 
 
 async def test_session_steps_return_versions_workers_serve(control_plane) -> None:
-    async with control_plane(training={"poll_seconds": 0.2}) as (client, _):
+    async with control_plane(training={"poll_seconds": 0.2}) as (client, settings):
         use_standin(client)
         created = await client.post("/v1/train/sessions", json={"train_args": {"learning_rate": 1e-3}})
         assert created.status_code == 200, created.text
@@ -56,6 +58,13 @@ async def test_session_steps_return_versions_workers_serve(control_plane) -> Non
         sft = await client.post(f"/v1/train/sessions/{sid}/step", json={"rows": [{"input": "a", "output": "b"}]})
         assert sft.status_code == 200 and sft.json()["version"] == 3
         assert (await client.get(f"/v1/train/sessions/{sid}")).json()["version"] == 3
+        # A submitted step may train while the client generates (unless it says not); a step waited on may not.
+        for body in ({"rows": RL_ROWS}, {"rows": RL_ROWS, "overlap": False}):
+            queued = await client.post(f"/v1/train/sessions/{sid}/steps", json=body)
+            assert queued.status_code == 200, queued.text
+            await client.get(f"/v1/train/sessions/{sid}/steps/{queued.json()['request']}?wait_seconds=60")
+        files = SessionDir(JobDir.under(settings.jobs_dir, sid))
+        assert [files.read_meta(k).overlap for k in range(1, 6)] == [False, False, False, True, False]
 
         ended = await client.delete(f"/v1/train/sessions/{sid}")
         assert ended.status_code == 200 and ended.json()["status"] == "COMPLETED"
