@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -101,6 +103,30 @@ def cpu_thread_counts(env: LaunchEnv, threads: int | None = None, overlapped: in
     return alone, env.omp_threads or overlapped or alone
 
 
+def _pass_through(model: Any = None, **options: Any) -> Any:
+    """`torch.compile`'s signature, compiling nothing: the function itself (or a decorator returning it)."""
+    return model if model is not None else (lambda fn: fn)
+
+
+def import_megatron() -> None:
+    """Import megatron-core with `torch.compile` a pass-through while it loads (once per process).
+
+    `megatron.core.jit` binds `torch.compile` as the decorator of its fused element-wise kernels (bias + GeLU/GeGLU/
+    SwiGLU, MoE activations) when the package loads, and that decoration imports dynamo and inductor: 2.2-2.7 s of
+    every rank's start on this 2-core box (`import megatron.core` 3.8-5.2 s, 1.6-2.5 s without; the suite starts 175+
+    ranks). The trainer turns those fusions off (model.py: `bias_activation_fusion=False`, ...), and a kernel that
+    runs anyway runs eagerly: the same arithmetic, unfused. A megatron already imported is left as it is.
+    """
+    if "megatron.core" in sys.modules:
+        return
+    compile_ = torch.compile
+    torch.compile = _pass_through  # type: ignore[assignment]
+    try:
+        import megatron.core  # noqa: F401
+    finally:
+        torch.compile = compile_
+
+
 def init_parallel(env: LaunchEnv, tensor_parallel_size: int, seed: int, timeout_s: float = 1800,
                   gpu_memory_fraction: float | None = None, expert_parallel_size: int = 1,
                   cpu_threads: int | None = None, cpu_threads_overlapped: int | None = None) -> Parallel:
@@ -113,6 +139,7 @@ def init_parallel(env: LaunchEnv, tensor_parallel_size: int, seed: int, timeout_
     rest); None: the whole GPU. `cpu_threads` / `cpu_threads_overlapped`: a CPU rank's threads, and its threads
     during a session step that overlaps generation (see `cpu_thread_counts`).
     """
+    import_megatron()
     from megatron.core import parallel_state, tensor_parallel
 
     if env.world_size % (tensor_parallel_size * expert_parallel_size):
