@@ -97,6 +97,15 @@ def serve_process() -> Callable[..., contextlib.AbstractContextManager[tuple[str
     return start_serve
 
 
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """(URL, home) of one real `scalarlm serve` of the tiny model with default settings (control plane, in-process
+    vLLM worker, local trainer launcher), shared by the e2e and closed-loop tests: a boot costs about 45 s here.
+    Its tests name the models they use (a job's own id, or the base before any job); none needs an empty server."""
+    with start_serve(tmp_path_factory.mktemp("tiny-server"), tiny_model_dir) as (url, home, _):
+        yield url, home
+
+
 def _processes_mentioning(text: str) -> list[int]:
     """Pids (other than ours) whose command line contains `text`."""
     pids = []

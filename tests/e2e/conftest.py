@@ -1,20 +1,16 @@
-"""One real `scalarlm serve` subprocess (control plane + in-process vLLM worker) for the e2e tests."""
+"""The e2e tests run against the suite's one shared `scalarlm serve` of the tiny model (tests/conftest.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 
 @pytest.fixture(scope="session")
-def server_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
-               serve_process: Callable[..., Any]) -> Iterator[str]:
-    """URL of a running `scalarlm serve --model <tiny>` on a free loopback port."""
-    with serve_process(tmp_path_factory.mktemp("e2e-server"), tiny_model_dir) as (url, _, _):
-        yield url
+def server_url(tiny_server: tuple[str, Path]) -> str:
+    """URL of a running `scalarlm serve --model <tiny>` on a free loopback port (the suite's shared one)."""
+    return tiny_server[0]
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -35,15 +35,14 @@ async def control_plane(tmp_path: Path, tiny_model_dir: Path) -> AsyncIterator[C
     yield start
 
 
-@pytest.fixture(scope="module")
-def loop_server_home(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
-                     serve_process: Callable[..., Any]) -> Iterator[tuple[str, Path]]:
-    """(URL, home) of a real `scalarlm serve` (control plane + in-process vLLM worker + local trainer launcher)."""
-    with serve_process(tmp_path_factory.mktemp("loop-server"), tiny_model_dir) as (url, home, _):
-        yield url, home
+@pytest.fixture(scope="session")
+def loop_server_home(tiny_server: tuple[str, Path]) -> tuple[str, Path]:
+    """(URL, home) of a real `scalarlm serve` (control plane + in-process vLLM worker + local trainer launcher): the
+    suite's shared one."""
+    return tiny_server
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def loop_server(loop_server_home: tuple[str, Path]) -> str:
-    """URL of the module's real `scalarlm serve`."""
+    """URL of the shared real `scalarlm serve`."""
     return loop_server_home[0]

@@ -1,11 +1,14 @@
 """Each new family through the whole loop: a real `scalarlm serve` (vLLM worker, local megatron trainer) per family.
 
 An SFT job (full weights, then LoRA) publishes a checkpoint that opens in `transformers` (PEFT for the adapter); the
-served greedy answer for the job, after the hot swap, equals `transformers` greedy on that checkpoint; one GRPO step
-trains and publishes. One module-scoped server per family, a few steps per job. Mixture-of-experts families
-(qwen3-moe, mixtral) train full weights only and are served after the same hot swap; their LoRA job is refused at
-submission with a 400 naming adapter_type; their GRPO job takes two steps per batch with routing replay off and on,
-and reports the changed-routing fraction.
+served greedy answer for the job, after the hot swap, equals `transformers` greedy on that checkpoint. One GRPO step
+trains and publishes for qwen3 and the MoE families (GRPO_FAMILIES): the rest of the dense families' GRPO path is
+their SFT forward (a token's logprob is minus its cross-entropy), which their SFT jobs here and test_family_parity
+check, and the loss itself is family-blind (tests/unit/training/test_grpo.py, test_grpo_padding_free). One
+module-scoped server per family, a few steps per job. Mixture-of-experts families (qwen3-moe, mixtral) train full
+weights only and are served after the same hot swap; their LoRA job is refused at submission with a 400 naming
+adapter_type; their GRPO job takes two steps per batch with routing replay off and on, and reports the
+changed-routing fraction.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ pytestmark = pytest.mark.slow
 
 FAMILIES = ["qwen3", "llama3", "phi3", "smollm3", "mistral", "gemma2", "gemma3", "qwen3-moe", "mixtral"]
 MOE = {"qwen3-moe", "mixtral"}  # LoRA refused (no MoE adapter rule yet)
+GRPO_FAMILIES = {"qwen3", *MOE}
 PROMPTS = ["What is the capital of France?", "What do bees make?", "What colour is the sky?"]
 FACTS = [{"input": p, "output": o} for p, o in zip(PROMPTS, [" Paris", " honey", " blue"])]
 TOKENS = 6
@@ -96,6 +100,8 @@ def test_sft_job_is_served_like_transformers(family_server: tuple[str, str, Path
 
 def test_one_grpo_step_trains_and_publishes(family_server: tuple[str, str, Path]) -> None:
     family, url, _ = family_server
+    if family not in GRPO_FAMILIES:
+        pytest.skip(f"{family}: its GRPO forward is its SFT forward, checked by the SFT jobs (see the docstring)")
     llm = scalarlm.ScalarLM(api_url=url, timeout=600)
     rows = [{"prompt": PROMPTS[0], "completion": c, "reward": r} for c, r in ((" Paris", 1.0), (" Rome", 0.0))]
     if family not in MOE:
