@@ -13,8 +13,12 @@ from scalarlm.training.data import MicroBatch
 from scalarlm.training.model import document_bounds
 
 
-def token_losses(model, batch: MicroBatch) -> Tensor:
+def token_losses(model, batch: MicroBatch, loss_only: bool = False) -> Tensor:
     """Per-token cross-entropy [B, L] of `batch` (vocab-parallel under TP, identical on every TP rank).
+
+    `loss_only`: the caller reads only the positions of `batch.loss_mask` (a step's loss); the output layer and the
+    cross-entropy run there alone and every other position is 0 (model.loss_positions). Not under sequence
+    parallelism, where each TP rank holds a different part of the sequence.
 
     Under sequence parallelism the length must divide by TP: the batch runs padded to it (`MicroBatch.padded`) and
     the padding is cut off. megatron's padding mask goes with it, even when nothing is padded: the routers' load
@@ -33,6 +37,7 @@ def token_losses(model, batch: MicroBatch) -> Tensor:
         labels=batch.labels,
         packed_seq_params=packed,
         padding_mask=padding,
+        **({"loss_mask": batch.loss_mask > 0} if loss_only else {}),
     )
     return out[:, : out.shape[1] - pad]
 

@@ -204,6 +204,26 @@ def _sdpa_attention_class(arch: ModelArch):
     return SdpaAttention
 
 
+def loss_positions(hidden_states: Tensor, labels: Tensor, loss_mask: Tensor,
+                   head: Callable[[Tensor, Tensor], Tensor]) -> Tensor:  # fmt: skip
+    """Per-token losses [B, L] computed only where `loss_mask` [B, L] is true, zero elsewhere.
+
+    `head(hidden [N, 1, H], labels [1, N]) -> losses [1, N]` is the output layer and cross-entropy, run on the N
+    picked positions instead of all B x L: a prompt token's logits (a [vocab] row each, 152k floats for Qwen3) are
+    neither computed nor kept for backward. At least one position runs, so the output weight still gets a gradient
+    in every backward (the overlapped DP all-reduce waits for every param). Every TP rank picks the same rows.
+    """
+    rows, length = labels.shape
+    index = loss_mask.reshape(-1).nonzero().squeeze(1)
+    if index.numel() == 0:
+        index = index.new_zeros(1)
+    picked = hidden_states.transpose(0, 1).reshape(rows * length, -1).index_select(0, index).unsqueeze(1)
+    losses = head(picked, labels.reshape(-1).index_select(0, index).unsqueeze(0))
+    zeros = losses.new_zeros(rows * length)
+    return zeros.index_copy(0, index, losses[0] * loss_mask.reshape(-1).index_select(0, index).to(losses.dtype)
+                            ).view(rows, length)
+
+
 def _per_document_rope(freqs: Tensor, position_ids: Tensor) -> Tensor:
     """RoPE angles [S, B, 1, D] at each token's own position ids [B, S] (positions restart per packed document)."""
     table = freqs[:, 0, 0, :]  # [S_max, D]
@@ -256,7 +276,8 @@ def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool 
     from megatron.core.models.gpt import GPTModel
 
     class PackedGPTModel(GPTModel):
-        """GPTModel whose RoPE follows `position_ids`, so positions restart at each packed document."""
+        """GPTModel whose RoPE follows `position_ids`, so positions restart at each packed document, and whose output
+        layer and cross-entropy run only where `loss_mask` is true when one is given (`loss_positions`)."""
 
         current_position_ids = None  # read by per-layer RoPE (families.modules.apply_local_rope)
 
@@ -266,6 +287,13 @@ def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool 
             if out[1] is None or position_ids is None:
                 return out
             return (out[0], _per_document_rope(out[1], position_ids), *out[2:])
+
+        def _postprocess(self, hidden_states, labels=None, loss_mask=None, mtp_in_postprocess=None, **kwargs):
+            if loss_mask is None or labels is None or mtp_in_postprocess or self.config.sequence_parallel:
+                return super()._postprocess(hidden_states=hidden_states, labels=labels, loss_mask=loss_mask,
+                                            mtp_in_postprocess=mtp_in_postprocess, **kwargs)  # fmt: skip
+            return loss_positions(hidden_states, labels, loss_mask, lambda h, y: super(PackedGPTModel, self)
+                                  ._postprocess(hidden_states=h, labels=y, mtp_in_postprocess=False, **kwargs))
 
     check_tensor_parallel(arch, tp)
     if arch.num_experts:

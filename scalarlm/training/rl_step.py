@@ -86,8 +86,8 @@ def _reference_logp(trainer: "Trainer", batch: MicroBatch) -> Tensor:
     with torch.no_grad():
         if trainer.lora:
             with adapters_disabled(trainer.model):
-                return -token_losses(trainer.ddp, batch).float()
-        return -token_losses(trainer.ref_model, batch).float()
+                return -token_losses(trainer.ddp, batch, loss_only=True).float()
+        return -token_losses(trainer.ref_model, batch, loss_only=True).float()
 
 
 def grpo_loss(trainer: "Trainer", batch: RLBatch) -> LossFn:

@@ -36,7 +36,7 @@ from scalarlm.training.moe_balance import aux_loss_scale, no_aux_gradient
 if TYPE_CHECKING:
     from scalarlm.training.loop import Trainer
 
-# (index of the micro-batch, the micro-batch on the device, its per-token cross-entropy [1, T]) ->
+# (index of the micro-batch, the micro-batch on the device, its per-token cross-entropy [1, T], 0 off its loss mask) ->
 # (its share of the step's loss, to backpropagate; a float64 vector of stats to sum over the step).
 LossFn = Callable[[int, MicroBatch, Tensor], tuple[Tensor, Tensor]]
 
@@ -88,7 +88,7 @@ def run_step(trainer: "Trainer", micro_batches: Sequence[MicroBatch], loss_fn: L
         with nullcontext() if i == last else ddp.no_sync():  # the last backward starts the all-reduce
             with balance.forward_pass() if measured else nullcontext():
                 with around_forward(i) if around_forward is not None else nullcontext():
-                    token_loss = token_losses(ddp, micro)
+                    token_loss = token_losses(ddp, micro, loss_only=True)
             loss, stats = loss_fn(i, micro, token_loss)
             if micro.filler:  # trains nothing, but every param reports (a rank may have only fillers)
                 loss = loss * 0.0 + _zero_term(ddp)

@@ -5,12 +5,14 @@ different lengths (some with sampling logprobs far enough off-policy to clip, so
 rewards), computes the GRPO loss (+ KL) and its gradients twice:
 
 * padding-free: the trainer's own `grpo.rl_micro_batches` (documents packed end to end into [1, T] rows, attention
-  within each document) and `rl_step.grpo_loss`, over several micro-batches, gradients accumulated;
+  within each document) and `rl_step.grpo_loss`, over several micro-batches, gradients accumulated, with the
+  output layer run only at the loss positions (`token_losses(..., loss_only=True)`, as the step driver runs it);
 * padded (the reference, written here as the trainer had it): one document per row, padded to a common length with a
   [B, 1, L, L] mask, advantages / sampling logprobs / weights placed per row, the same objective.
 
 Prints one JSON line: both losses, the largest per-parameter relative gradient difference
-(||g_free - g_padded|| / ||g_padded||), the tokens each layout computed on and how many micro-batches each used.
+(||g_free - g_padded|| / ||g_padded||), the tokens each layout computed on, how many micro-batches each used and
+how many positions went through the padding-free side's output layer.
 """
 
 from __future__ import annotations
@@ -123,10 +125,13 @@ def main() -> int:
                                       ddp=model, routing=None)  # fmt: skip
             loss_fn = grpo_loss(trainer, RLBatch(micro, {}, 0))
             sums = torch.zeros(6, dtype=torch.float64)  # loss, clipped tokens, tokens, KL sum, routing (none)
+            head_rows = []
+            hook = model.output_layer.register_forward_hook(lambda mod, inp, out: head_rows.append(inp[0].shape[0]))
             for i, m in enumerate(micro):
-                loss, stats = loss_fn(i, m.batch, token_losses(model, m.batch))
+                loss, stats = loss_fn(i, m.batch, token_losses(model, m.batch, loss_only=True))
                 loss.backward()
                 sums += stats
+            hook.remove()
             free_grads = grads(model)
             padded, padded_tokens = padded_loss(model, ref_model, docs, weights, pad_id)
             padded.backward()
@@ -140,6 +145,7 @@ def main() -> int:
                 "grad_norm": float(torch.stack([g.norm() for g in padded_grads.values()]).norm()),
                 "tokens_free": sum(int(m.batch.tokens.numel()) for m in micro), "tokens_padded": padded_tokens,
                 "micro_batches": len(micro), "documents": len(docs), "doc_tokens": sum(len(d.doc.tokens) for d in docs),
+                "head_rows_free": sum(head_rows[: len(micro)]),  # the policy's forwards (the KL reference's follow)
                 "lengths": sorted({len(d.doc.tokens) for d in docs}),
             }  # fmt: skip
         print("RESULT " + json.dumps(result), flush=True)

@@ -1,6 +1,7 @@
 """Padding-free GRPO is the padded computation without the padding: on a fixed batch of scored rows of different
 lengths, the trainer's packed micro-batches and GRPO loss give the padded layout's loss and gradients (per parameter,
-fp32) while computing on about half the tokens. The check runs in its own process (megatron's parallel state)."""
+fp32) while computing on about half the tokens, and running the output layer on the completion tokens alone. The
+check runs in its own process (megatron's parallel state)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,5 @@ def test_padding_free_grpo_gives_the_padded_loss_and_gradients(parity: dict, los
 def test_padding_free_grpo_computes_no_padding(parity: dict) -> None:
     r = parity["grpo"]
     assert r["tokens_free"] == r["doc_tokens"] < r["tokens_padded"], r  # every computed token is a document's
+    # ... and only the completion tokens' positions go through the output layer (a prompt's logits are unused)
+    assert r["head_rows_free"] == r["loss_tokens"] < r["doc_tokens"], r
