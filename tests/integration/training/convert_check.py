@@ -10,7 +10,10 @@ through the converter, and prints one JSON line (rank 0) with
 * `builtin_rope_diff` (llama3 models): `long_diff` with megatron's own llama3 scaling (hard-coded factors) instead
   of the config's: large, so the long positions really test the scaling;
 * `logit_scale`: max |HF logit| (Gemma's scaled embeddings make logits ~3x larger than Llama's);
-* `roundtrip_exact`: gathering the TP shards and mapping mcore -> HF reproduces every HF tensor bit for bit.
+* `roundtrip_exact`: gathering the TP shards and mapping mcore -> HF reproduces every HF tensor bit for bit;
+* `loss_diff`: max |per-token cross-entropy of HF's packed logits - the trainer's| at the packed batch's loss
+  positions, the trainer's computed as a training step does (`token_losses(..., loss_only=True)`: vocab-parallel
+  output layer and cross-entropy at those positions only), and `loss_rows`, the positions it ran the output layer on.
 """
 
 from __future__ import annotations
@@ -51,7 +54,9 @@ def check(model_dir: Path, par) -> dict:
     causal = torch.ones(24, 24, dtype=torch.bool).triu(1)[None, None]
     doc_a = torch.randint(0, arch.vocab_size, (11,), generator=gen)
     doc_b = torch.randint(0, arch.vocab_size, (13,), generator=gen)
-    packed = collate([Block(tuple(torch.cat([doc_a, doc_b]).tolist()), (False,) * 24, (0, 11))], pad_id=0)
+    # Targets inside each document (tokens 6-10 of the first, 17-23 overall of the second): 12 loss positions.
+    targets = tuple(6 <= i <= 10 or 17 <= i for i in range(24))
+    packed = collate([Block(tuple(torch.cat([doc_a, doc_b]).tolist()), targets, (0, 11))], pad_id=0)
     with torch.no_grad():
         ours = model(ids, torch.arange(24).expand(2, 24), causal)
         theirs = ref(ids).logits
@@ -74,6 +79,7 @@ def check(model_dir: Path, par) -> dict:
             builtin = (model(long_ids, long_pos, long_mask) - theirs_long).abs().max().item()
             rope.inv_freq = ours_freq
             RotaryEmbedding.forward.cache_clear()
+    loss_diff, loss_rows = packed_loss_diff(model_dir, arch, par, hf, packed, theirs_packed)
     shards = gather_tp_shards(model, arch, par)
     exact = None
     if shards is not None:
@@ -88,7 +94,34 @@ def check(model_dir: Path, par) -> dict:
         "logit_scale": max(theirs.abs().max().item(), theirs_long.abs().max().item()),
         "builtin_rope_diff": builtin,
         "roundtrip_exact": exact,
+        "loss_diff": loss_diff,
+        "loss_rows": loss_rows,
     }
+
+
+def packed_loss_diff(model_dir: Path, arch, par, hf: dict, packed, theirs_packed: torch.Tensor) -> tuple[float, int]:
+    """The trainer's loss-position cross-entropy (a model built as the trainer builds it: vocab-parallel output)
+    against HF's packed logits; and how many positions went through its output layer."""
+    import torch.nn.functional as F
+
+    from scalarlm.training.convert import hf_to_mcore, mark_tensor_parallel
+    from scalarlm.training.losses import token_losses
+    from scalarlm.training.model import build_gpt_model
+
+    model = build_gpt_model(arch, par.tp_size, bf16=False)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in hf_to_mcore(hf, arch, par.tp_rank, par.tp_size).items():
+            params[name].copy_(value)
+    mark_tensor_parallel(model, arch)
+    model.eval()
+    rows: list[int] = []
+    model.output_layer.register_forward_hook(lambda mod, inp, out: rows.append(inp[0].shape[0] * inp[0].shape[1]))
+    mask = packed.loss_mask[0] > 0
+    with torch.no_grad():
+        ours = token_losses(model, packed, loss_only=True)[0]
+        theirs = F.cross_entropy(theirs_packed, packed.labels[0], reduction="none")
+    return (ours - theirs)[mask].abs().max().item(), sum(rows)
 
 
 def main() -> int:

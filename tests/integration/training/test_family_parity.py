@@ -2,7 +2,8 @@
 
 For each tiny model of `FAMILY_TINY_MODELS` (one per family, plus variants): megatron-core logits equal
 transformers' at TP=1 and TP=2 (mpirun, gloo) in fp32, on a random batch, on packed documents, and on one 600-token
-sequence (past the llama3 model's original context, far longer than Mistral's sliding window); the TP-gathered
+sequence (past the llama3 model's original context, far longer than Mistral's sliding window); a training step's
+per-token cross-entropy, computed at the loss positions only, equals HF's on the packed documents; the TP-gathered
 mcore -> HF export is bit-exact; the megatron LoRA forward equals PEFT with the same adapter weights. Each TP size
 runs all models in one process (or one mpirun), once per module.
 """
@@ -82,6 +83,8 @@ def test_logits_match_hf(logits, model: str, tp: int) -> None:
     assert r["packed_diff"] <= tolerance, r  # packed documents do not attend to each other
     assert r["long_diff"] <= tolerance, r
     assert r["roundtrip_exact"] is True, r
+    # A training step's loss-position cross-entropy (the output layer on those 12 positions only) is HF's.
+    assert r["loss_diff"] <= tolerance and r["loss_rows"] == 12, r
     if model == "llama3":
         # megatron's own llama3 scaling (hard-coded low/high_freq_factor, 8192 context) differs at these positions
         assert r["builtin_rope_diff"] > 0.1, r
