@@ -28,24 +28,32 @@ import torch
 LONG = 600
 
 
-def check(model_dir: Path, par) -> dict:
-    from transformers import AutoModelForCausalLM
+def loaded_model(arch, par, hf: dict, parallel_output: bool):
+    """This TP rank's GPTModel holding the HF weights (eval mode)."""
+    from scalarlm.training.convert import hf_to_mcore, mark_tensor_parallel
+    from scalarlm.training.model import build_gpt_model
 
-    from scalarlm.training import hf_io
-    from scalarlm.training.convert import hf_to_mcore, mark_tensor_parallel, mcore_to_hf
-    from scalarlm.training.data import Block, collate
-    from scalarlm.training.export import gather_tp_shards
-    from scalarlm.training.model import build_gpt_model, model_arch
-
-    arch = model_arch(model_dir)
-    model = build_gpt_model(arch, par.tp_size, bf16=False, parallel_output=False)
-    hf = hf_io.load_weights(model_dir)
+    model = build_gpt_model(arch, par.tp_size, bf16=False, parallel_output=parallel_output)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in hf_to_mcore(hf, arch, par.tp_rank, par.tp_size).items():
             params[name].copy_(value)
     mark_tensor_parallel(model, arch)
-    model.eval()
+    return model.eval()
+
+
+def check(model_dir: Path, par) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from scalarlm.training import hf_io
+    from scalarlm.training.convert import mcore_to_hf
+    from scalarlm.training.data import Block, collate
+    from scalarlm.training.export import gather_tp_shards
+    from scalarlm.training.model import model_arch
+
+    arch = model_arch(model_dir)
+    hf = hf_io.load_weights(model_dir)
+    model = loaded_model(arch, par, hf, parallel_output=False)
     # Eager attention: the reference computation (HF's SDPA path drops Gemma 2's attention soft cap).
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
 
@@ -79,7 +87,7 @@ def check(model_dir: Path, par) -> dict:
             builtin = (model(long_ids, long_pos, long_mask) - theirs_long).abs().max().item()
             rope.inv_freq = ours_freq
             RotaryEmbedding.forward.cache_clear()
-    loss_diff, loss_rows = packed_loss_diff(model_dir, arch, par, hf, packed, theirs_packed)
+    loss_diff, loss_rows = packed_loss_diff(loaded_model(arch, par, hf, parallel_output=True), packed, theirs_packed)
     shards = gather_tp_shards(model, arch, par)
     exact = None
     if shards is not None:
@@ -99,22 +107,13 @@ def check(model_dir: Path, par) -> dict:
     }
 
 
-def packed_loss_diff(model_dir: Path, arch, par, hf: dict, packed, theirs_packed: torch.Tensor) -> tuple[float, int]:
-    """The trainer's loss-position cross-entropy (a model built as the trainer builds it: vocab-parallel output)
-    against HF's packed logits; and how many positions went through its output layer."""
+def packed_loss_diff(model, packed, theirs_packed: torch.Tensor) -> tuple[float, int]:
+    """The loss-position cross-entropy of `model` (built as the trainer builds it: vocab-parallel output) against
+    HF's packed logits; and how many positions went through its output layer."""
     import torch.nn.functional as F
 
-    from scalarlm.training.convert import hf_to_mcore, mark_tensor_parallel
     from scalarlm.training.losses import token_losses
-    from scalarlm.training.model import build_gpt_model
 
-    model = build_gpt_model(arch, par.tp_size, bf16=False)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, value in hf_to_mcore(hf, arch, par.tp_rank, par.tp_size).items():
-            params[name].copy_(value)
-    mark_tensor_parallel(model, arch)
-    model.eval()
     rows: list[int] = []
     model.output_layer.register_forward_hook(lambda mod, inp, out: rows.append(inp[0].shape[0] * inp[0].shape[1]))
     mask = packed.loss_mask[0] > 0
