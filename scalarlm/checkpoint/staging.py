@@ -2,7 +2,8 @@
 
 When the trainer and the engine share a host, the trainer writes step N into `<staging root>/<job id>/step-N/`
 (memory-backed: `training.staging_dir`, /dev/shm by default), points `checkpoints/staged` at it and announces it;
-the catalog serves a complete staged step that is newer than the durable `latest`. A background thread then lands
+the catalog serves a complete staged step that is newer than the durable `latest`. A background thread (at the lowest
+CPU priority, so it does not slow the engine swapping that step in or the next step) then lands
 the same files as `checkpoints/step-N/` with `publish_step` (temp dir, fsync, rename, `latest`) while training goes
 on, and announces again, so the catalog moves to the durable copy: that is what a restart or another host reads.
 Landings queue, one at a time in step order, so a step whose predecessor is still landing does not wait for it (on a
@@ -36,6 +37,10 @@ STAGED_FILE = "staged"  # in `checkpoints/`: "step-<N> <absolute staged path>"
 # that began reading it before the landing has that long to finish; files it has open survive the removal).
 STAGED_GRACE_SECONDS = 30.0
 STAGING_HEADROOM_BYTES = 256 << 20  # left free in the staging directory beyond two copies of a checkpoint
+# The landing thread's nice value. It copies bytes the engine is reading at that moment (the swap of the step it just
+# staged) on the cores the engine and the next step use; at nice 0 the swap of a 155 MB step took 0.28-0.58 s on 2
+# cores, at 19 it took 0.08-0.16 s, as a swap with no landing beside it does. It still gets the idle cores.
+LANDING_NICE = 19
 
 
 def staging_root(staging_dir: str, home: Path) -> Path | None:
@@ -154,6 +159,14 @@ def remove_empty_staging(root: Path) -> None:
             pass
 
 
+def _run_in_background() -> None:
+    """Lower the calling thread's CPU priority to LANDING_NICE (Linux: a thread's nice value is its own)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LANDING_NICE)
+    except OSError as e:  # e.g. a sandbox that refuses it: land at normal priority
+        logger.debug("could not lower the landing thread's priority: %s", e)
+
+
 def _room(root: Path) -> int:
     """Free bytes where `root` is (or would be created)."""
     folder = root
@@ -209,6 +222,7 @@ class StagedPublisher:
         return _room(self.root) >= 2 * self.expected_bytes + STAGING_HEADROOM_BYTES
 
     def _land_queued(self) -> None:
+        _run_in_background()
         while True:
             with self._lock:
                 if not self._queue:

@@ -15,6 +15,7 @@ import pytest
 
 from scalarlm.checkpoint import JobDir, latest_step, list_steps, publish_step
 from scalarlm.checkpoint.staging import (
+    LANDING_NICE,
     STAGED_GRACE_SECONDS,
     StagedPublisher,
     land_orphaned,
@@ -116,6 +117,19 @@ def test_a_step_does_not_wait_for_the_previous_landing(job: JobDir, tmp_path: Pa
     publisher.wait()
     assert held.landed == [1, 2, 3] and list_steps(job) == [1, 2, 3] and latest_step(job) == 3
     assert (job.checkpoints_dir / "latest").read_text().strip() == "step-3"
+
+
+def test_the_landing_runs_at_the_lowest_cpu_priority_and_the_trainer_keeps_its_own(job: JobDir, tmp_path: Path) -> None:
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    trainer = nice()
+    seen: list[tuple[int, int]] = []
+    publisher = StagedPublisher(job, tmp_path / "shm", lambda step: seen.append((step, nice())))  # landing thread
+    publisher.publish(job, manifest(1), weights(b"one"))
+    publisher.wait()
+    assert seen == [(1, max(trainer, LANDING_NICE))] and LANDING_NICE == 19
+    assert nice() == trainer and list_steps(job) == [1]
 
 
 def test_a_failed_landing_stops_the_queue_and_is_reported(job: JobDir, tmp_path: Path) -> None:
