@@ -1,5 +1,7 @@
 """Publish->serve latency: from the end of an optimizer step to the first response stamped with the new version,
-divided by the floor: writing and reading the same bytes as safetensors on the same disk, plus one request's
+divided by the floor: writing and reading the same bytes as safetensors on the same disk (measured in each round just
+before its publish and just after its answer, so both sides meet the disk as it is during the rounds: this disk's
+write times drift by 4x over minutes; the fastest of those, against the median publish->serve), plus one request's
 latency through the same queue and engine on weights already loaded (what any answer costs), so a swap that
 adds nothing beyond its bytes and one answer scores 1.0.
 
@@ -32,20 +34,27 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 def floor_seconds(tensors: dict[str, Any], folder: Path) -> float:
-    """Median time to write `tensors` as safetensors (fsynced) and read them back, on the same disk."""
+    """Time to write `tensors` as safetensors (fsynced) and read them back, on the same disk."""
     from safetensors.torch import load_file, save_file
 
-    times = []
-    for i in range(3):
-        path = folder / f"floor-{i}.safetensors"
-        start = time.perf_counter()
-        save_file(tensors, str(path))
-        with open(path, "rb") as fh:
-            os.fsync(fh.fileno())
-        load_file(str(path))
-        times.append(time.perf_counter() - start)
-        path.unlink()
-    return statistics.median(times)
+    path = folder / "floor.safetensors"
+    start = time.perf_counter()
+    save_file(tensors, str(path))
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+    load_file(str(path))
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return seconds
+
+
+def published_tensors(model: Any, kind: str) -> dict[str, Any]:
+    """A copy of the tensors a publish of `model` writes (the whole model, or the LoRA adapter)."""
+    if kind == "lora":
+        from peft import get_peft_model_state_dict
+
+        return {k: v.detach().contiguous().clone() for k, v in get_peft_model_state_dict(model).items()}
+    return {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
 
 
 def _catalog(job: Any, kind: str, base: Any) -> Callable[[], list[Any]]:
@@ -88,13 +97,16 @@ async def measure(kind: str, model: Any, engine: Any, settings: Any, home: Path,
     loop = PullLoop(engine, service, settings, worker_id=f"bench-{label}")
     loop.start()
     params = [p for n, p in model.named_parameters() if kind == "full" or "lora_" in n]
-    latencies, writes = [], []
+    latencies, writes, floors = [], [], []
     try:
         for step in range(1, rounds + 1):
             with torch.no_grad():  # the "optimizer step"
                 for p in params:
                     p.add_(0.01 * torch.randn_like(p))
             manifest = CheckpointManifest(job_id=job.job_id, step=step, base_model=settings.model, kind=kind)
+            tensors = published_tensors(model, kind)
+            floors.append(floor_seconds(tensors, home))
+            megabytes = sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6
             start = time.perf_counter()
             publish(job, manifest, writer(model, kind, Path(settings.model)))
             written = time.perf_counter()
@@ -107,21 +119,17 @@ async def measure(kind: str, model: Any, engine: Any, settings: Any, home: Path,
                     break
             latencies.append(time.perf_counter() - start)
             writes.append(written - start)
+            floors.append(floor_seconds(tensors, home))
+            del tensors
         answer = await _request_seconds(service, job.job_id, rounds)
     finally:
         if publisher is not None:
             publisher.wait()
         await loop.stop()
         service.close()
-    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
-    if kind == "lora":
-        from peft import get_peft_model_state_dict
-
-        state = {k: v.detach().contiguous().clone() for k, v in get_peft_model_state_dict(model).items()}
-    io = floor_seconds(state, home)
+    io = min(floors)  # a floor: the fastest this disk wrote and read these bytes during the rounds
     floor = io + answer
     latency = statistics.median(latencies)
-    megabytes = sum(t.numel() * t.element_size() for t in state.values()) / 1e6
     print(f"{label}: {megabytes:.1f} MB, publish->serve {latency:.3f}s (write {statistics.median(writes):.3f}s), "
           f"floor {floor:.3f}s (write+read {io:.3f}s + one answer {answer:.3f}s), ratio {latency / floor:.2f}; "
           f"swaps {engine.load.swaps}")
