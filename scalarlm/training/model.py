@@ -193,8 +193,11 @@ def _sdpa_attention_class(arch: ModelArch):
 
             bounds = getattr(packed_seq_params, "bounds", None)
             if bounds is not None:
-                out = torch.cat([causal(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b])
-                                 for a, b in zip(bounds[:-1], bounds[1:])], dim=2)  # fmt: skip
+                # split, not slices: a slice's backward writes its grad into a zeroed full-length copy (one per
+                # document, then summed); split's backward is one cat. 3.3 of 13.5 ms per layer at 8 documents.
+                sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+                parts = zip(*(t.split(sizes, dim=2) for t in (q, k, v)))
+                out = torch.cat([causal(*qkv) for qkv in parts], dim=2)
             elif attention_mask is not None:
                 out = causal(q, k, v, ~attention_mask)
             else:
