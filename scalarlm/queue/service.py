@@ -22,7 +22,8 @@ from scalarlm.protocol.generate import (
     ModelVersion,
     QueueCounts,
 )
-from scalarlm.queue.store import EnqueuedBatch, RequestQueue, Throughput
+from scalarlm.queue.store import FINISHED, EnqueuedBatch, RequestQueue, Throughput
+from scalarlm.queue.watches import Watch, Watches
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class QueueService:
         self.models = models
         # What each worker said in its last get_work (load, loaded versions, held weights), for metrics.
         self.workers: dict[str, WorkerSeen] = {}
-        self._results_changed = asyncio.Event()
+        self._watches = Watches()
         self._work_added = asyncio.Event()
 
     # ---- producers -------------------------------------------------------------------------------
@@ -99,7 +100,7 @@ class QueueService:
     async def finish_work(self, request: FinishWorkRequest) -> FinishWorkResponse:
         """Store results (first per request id wins) and wake everyone waiting for results."""
         accepted, duplicates = await asyncio.to_thread(self.queue.complete, request.results)
-        self._pulse("_results_changed")
+        self._watches.posted([result.request_id for result in request.results])
         return FinishWorkResponse(accepted=accepted, duplicates=duplicates)
 
     # ---- readers ---------------------------------------------------------------------------------
@@ -110,20 +111,35 @@ class QueueService:
 
     async def wait_results(self, request_ids: Sequence[str], timeout: float) -> list[GenerateResult]:
         """Long-poll: return once every id is finished or `timeout` seconds have passed."""
-        results = await self.get(request_ids)  # raises NotFound up front
-        total = len(request_ids)
-        await self._wait_until(lambda: self.queue.count_finished(request_ids) >= total, timeout)
+        deadline = time.monotonic() + timeout
+        with self._watches.watching(Watch(ids=frozenset(request_ids))) as watch:
+            results = await self.get(request_ids)  # raises NotFound up front
+            pending = {r.request_id for r in results if r.status not in FINISHED}
+            if not pending:
+                return results
+            pending -= watch.take()
+            while pending and await self._wake(watch, deadline):
+                if not watch.woken.is_set():  # the periodic re-read: finished by another process?
+                    pending = set(await asyncio.to_thread(self.queue.unfinished, list(pending)))
+                pending -= watch.take()
         return await self.get(request_ids)
 
     async def wait_batch(self, batch_id: str, timeout: float) -> tuple[int, int]:
-        """Long-poll a batch: (total, finished) once it is complete or after `timeout` seconds."""
-
-        def done() -> bool:
-            total, finished = self.queue.batch_counts(batch_id)
-            return finished >= total
-
-        await self._wait_until(done, timeout)
-        return await asyncio.to_thread(self.queue.batch_counts, batch_id)
+        """Long-poll a batch: (total, finished) once it is complete or after `timeout` seconds. Its rows are
+        re-counted only when the results posted since the last count could complete it, periodically, and last."""
+        deadline = time.monotonic() + timeout
+        with self._watches.watching(Watch(batch=batch_id)) as watch:
+            total, finished = await asyncio.to_thread(self.queue.batch_counts, batch_id)  # NotFound up front
+            posted = 0  # results of this batch stored since the count began: at most this many more are finished
+            while finished < total:
+                posted += len(watch.take())
+                if finished + posted < total and await self._wake(watch, deadline) and watch.woken.is_set():
+                    continue  # results came, too few to complete the batch
+                posted = 0
+                total, finished = await asyncio.to_thread(self.queue.batch_counts, batch_id)
+                if time.monotonic() >= deadline:
+                    break
+        return total, finished
 
     async def counts(self) -> QueueCounts:
         """Items per state."""
@@ -163,18 +179,13 @@ class QueueService:
 
     # ---- waiting ---------------------------------------------------------------------------------
 
-    async def _wait_until(self, check: Callable[[], bool], timeout: float) -> bool:
-        """Re-check (in a thread) on every finish_work and every `recheck_interval`, until true or timeout."""
-        deadline = time.monotonic() + timeout
-        while True:
-            # Take the event before checking, so a finish_work landing during the check still wakes us.
-            changed: asyncio.Event = self._results_changed
-            if await asyncio.to_thread(check):
-                return True
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            await self._wait_for(changed, min(remaining, self.recheck_interval))
+    async def _wake(self, watch: Watch, deadline: float) -> bool:
+        """Wait until results for `watch` are posted or `recheck_interval` passes; False once `deadline` has."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        await self._wait_for(watch.woken, min(remaining, self.recheck_interval))
+        return True
 
     async def _wait_event(self, name: str, timeout: float) -> None:
         await self._wait_for(getattr(self, name), timeout)

@@ -47,7 +47,7 @@ CREATE INDEX IF NOT EXISTS items_batch ON items (batch_id, state);
 CREATE INDEX IF NOT EXISTS items_finished ON items (finished) WHERE finished IS NOT NULL;
 """
 
-_FINISHED = ("completed", "failed")
+FINISHED = ("completed", "failed")
 # How long the oldest queued item may wait while workers keep to the weights they hold (then FIFO wins).
 AFFINITY_SECONDS = 5.0
 # SQLite's bound-parameter limit is large in 3.40, but small chunks keep statements cheap to plan.
@@ -110,6 +110,11 @@ _TEXT_ITEM_KEYS = (["prompt", "sampling"], ["prompt", "sampling", "model"])
 def request_id_for(batch_id: str, idx: int) -> str:
     """ScalarLM's request id shape: `<batch_id>_<idx:09d>`."""
     return f"{batch_id}_{idx:09d}"
+
+
+def batch_of(request_id: str) -> str:
+    """The batch id a request id (`request_id_for`) belongs to."""
+    return request_id.rsplit("_", 1)[0]
 
 
 def new_batch_id() -> str:
@@ -288,18 +293,17 @@ class RequestQueue:
                 raise NotFound(f"unknown request id {request_id!r}", param="request_ids")
         return [found[request_id] for request_id in request_ids]
 
-    def count_finished(self, request_ids: Sequence[str]) -> int:
-        """How many of these request ids are completed or failed."""
-        total = 0
+    def unfinished(self, request_ids: Sequence[str]) -> list[str]:
+        """Those of these request ids whose items are still queued or leased."""
         conn = self._reader()
+        pending: list[str] = []
         for start in range(0, len(request_ids), _IN_CHUNK):
             chunk = list(request_ids[start : start + _IN_CHUNK])
             marks = ",".join("?" * len(chunk))
-            total += conn.execute(
-                f"SELECT COUNT(*) FROM items WHERE request_id IN ({marks}) AND state IN ('completed','failed')",
-                chunk,
-            ).fetchone()[0]
-        return total
+            pending.extend(row[0] for row in conn.execute(
+                f"SELECT request_id FROM items WHERE request_id IN ({marks}) AND +state IN ('queued','leased')", chunk
+            ))  # fmt: skip
+        return pending
 
     def batch_counts(self, batch_id: str) -> tuple[int, int]:
         """(total, finished) items of one batch; NotFound for an unknown batch id."""
@@ -309,7 +313,7 @@ class RequestQueue:
         if not rows:
             raise NotFound(f"unknown batch id {batch_id!r}", param="request_id")
         by_state = dict(rows)
-        return sum(by_state.values()), sum(by_state.get(s, 0) for s in _FINISHED)
+        return sum(by_state.values()), sum(by_state.get(s, 0) for s in FINISHED)
 
     def batch_progress(self, batch_id: str) -> BatchProgress:
         """A batch's size, finished count and every result so far (unfinished ones have no response)."""
@@ -320,7 +324,7 @@ class RequestQueue:
         if not rows:
             raise NotFound(f"unknown batch id {batch_id!r}", param="request_id")
         results = {row[0]: _result(*row) for row in rows}
-        finished = sum(1 for row in rows if row[2] in _FINISHED)
+        finished = sum(1 for row in rows if row[2] in FINISHED)
         return BatchProgress(batch_id, len(rows), finished, results)
 
     def finished_page(self, batch_id: str, after: str | None, limit: int) -> list[dict[str, Any]]:

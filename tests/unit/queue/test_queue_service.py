@@ -85,6 +85,61 @@ async def test_wait_results_gives_partial_results_at_timeout(service: QueueServi
     assert await service.wait_batch(batch.batch_id, timeout=0.1) == (2, 1)
 
 
+class CountingQueue(RequestQueue):
+    """The real SQLite queue, counting the reads a long-poll makes."""
+
+    reads = 0
+
+    def get(self, request_ids):  # type: ignore[no-untyped-def]
+        self.reads += 1
+        return super().get(request_ids)
+
+    def unfinished(self, request_ids):  # type: ignore[no-untyped-def]
+        self.reads += 1
+        return super().unfinished(request_ids)
+
+    def batch_counts(self, batch_id):  # type: ignore[no-untyped-def]
+        self.reads += 1
+        return super().batch_counts(batch_id)
+
+
+async def test_a_long_poll_reads_sqlite_only_when_its_own_results_can_have_finished_it(tmp_path: Path) -> None:
+    queue = CountingQueue(tmp_path / "q.sqlite")
+    service = QueueService(queue, recheck_interval=60)
+    mine = await service.enqueue([{"prompt": "a"}, {"prompt": "b"}], "m")
+    other = await service.enqueue([{"prompt": str(i)} for i in range(4)], "m")
+    items = {i.request_id: i for i in (await service.get_work(GetWorkRequest(capacity=6))).requests}
+    results = asyncio.create_task(service.wait_results(mine.request_ids, timeout=60))
+    batch = asyncio.create_task(service.wait_batch(mine.batch_id, timeout=60))
+    await asyncio.sleep(0.1)
+    reads = queue.reads  # each wait's first read
+    for rid in other.request_ids:  # another batch's results: neither wait reads anything
+        await service.finish_work(FinishWorkRequest(results=[done(rid, "x")]))
+    await service.finish_work(FinishWorkRequest(results=[done(mine.request_ids[0], "A")]))
+    await asyncio.sleep(0.1)  # one of two: still too few to finish either wait
+    assert queue.reads == reads and not results.done() and not batch.done()
+    await service.finish_work(FinishWorkRequest(results=[done(mine.request_ids[1], items[mine.request_ids[1]].prompt)]))
+    assert [r.response for r in await asyncio.wait_for(results, 5)] == ["A", "b"]
+    assert await asyncio.wait_for(batch, 5) == (2, 2)
+    assert queue.reads == reads + 2  # the results' final read, the batch's count
+    service.close()
+
+
+async def test_a_long_poll_sees_results_another_process_stored_at_its_periodic_re_read(tmp_path: Path) -> None:
+    service = QueueService(RequestQueue(tmp_path / "q.sqlite"), recheck_interval=0.1)
+    batch = await service.enqueue([{"prompt": "a"}], "m")
+    elsewhere = RequestQueue(tmp_path / "q.sqlite")  # e.g. a second API server process on the same file
+    elsewhere.lease(1, "w")
+    results = asyncio.create_task(service.wait_results(batch.request_ids, timeout=60))
+    counts = asyncio.create_task(service.wait_batch(batch.batch_id, timeout=60))
+    await asyncio.sleep(0.2)
+    elsewhere.complete([done(batch.request_ids[0], "A")])
+    assert [r.response for r in await asyncio.wait_for(results, 10)] == ["A"]
+    assert await asyncio.wait_for(counts, 10) == (1, 1)
+    elsewhere.close()
+    service.close()
+
+
 async def test_unknown_ids_raise_not_found(service: QueueService) -> None:
     with pytest.raises(NotFound):
         await service.wait_results(["missing_000000000"], timeout=1)

@@ -12,6 +12,7 @@ import pytest
 from scalarlm.protocol.errors import NotFound
 from scalarlm.protocol.generate import Completion, WorkResult
 from scalarlm.queue import RequestQueue
+from scalarlm.queue.store import batch_of
 
 
 def prompts(n: int, **sampling: object) -> list[dict]:
@@ -50,6 +51,15 @@ def test_results_unfinished_then_finished(queue: RequestQueue) -> None:
     assert done.response == "hello" and done.status == "completed" and done.completion_tokens == 3
     assert done.finish_reason == "length" and done.prompt_tokens == 2 and done.version == 0
     assert pending.response is None and pending.status == "leased"
+
+
+def test_unfinished_names_the_queued_and_leased_ids_and_each_id_names_its_batch(queue: RequestQueue) -> None:
+    batch = queue.enqueue(prompts(3), "m")
+    queue.enqueue(prompts(5), "m")
+    queue.lease(2, "w")
+    queue.complete([result(batch.request_ids[0]), result(batch.request_ids[2], error="boom")])
+    assert queue.unfinished(batch.request_ids) == [batch.request_ids[1]]
+    assert {batch_of(rid) for rid in batch.request_ids} == {batch.batch_id}
 
 
 def test_unknown_request_id_names_it(queue: RequestQueue) -> None:
