@@ -48,6 +48,8 @@ def advantages(rewards: Sequence[float], groups: Sequence[str], loss: str) -> li
     out = [0.0] * len(rewards)
     for idx in members.values():
         r = torch.tensor([rewards[i] for i in idx], dtype=torch.float64)
+        if bool((r == r[0]).all()):
+            continue  # equal rewards: exactly 0 (a float mean of equal values can miss them by an ulp)
         centred = r - r.mean()
         if loss == "grpo":
             std = r.std() if len(idx) > 1 else torch.zeros((), dtype=torch.float64)
@@ -165,6 +167,18 @@ def token_weights(docs: Sequence[RLDoc], loss: str) -> list[float]:
         longest = max(lengths)
         return [1.0 / (longest * n)] * n
     return [1.0 / (length * n) for length in lengths]
+
+
+def with_gradient(docs: Sequence[RLDoc], weights: Sequence[float]) -> tuple[list[RLDoc], list[float], int, int]:
+    """The documents whose clipped objective has a gradient (advantage not 0: not in a group of equal rewards, not
+    at their group's mean reward) and their weights; how many were left out and their loss tokens. A document with advantage 0 adds exactly 0 to that loss and to its gradient at every
+    token (`-min(ratio * 0, clip(ratio) * 0)`), so leaving it out changes neither, as long as nothing else (a KL term, a
+    mixture-of-experts load-balancing loss) reads its tokens: the caller decides that. Its weight stays as computed
+    over every document."""
+    kept = [i for i, d in enumerate(docs) if d.advantage != 0.0]
+    left = [d for d in docs if d.advantage == 0.0]
+    return ([docs[i] for i in kept], [weights[i] for i in kept], len(left),
+            sum(sum(d.doc.targets[1:]) for d in left))  # fmt: skip
 
 
 def doc_token_inputs(doc: RLDoc, weight: float) -> Tensor:

@@ -1,6 +1,9 @@
 """GRPO / Dr. GRPO optimizer steps of a Trainer over a batch of scored rows (all groups of the batch in each step).
 
-`rl_batch` tokenizes the rows and packs this DP rank's share padding-free (as SFT's); `grpo_step` drives one step
+`rl_batch` tokenizes the rows, leaves out those whose loss has no gradient (advantage 0, when no KL term or
+load-balancing loss reads their tokens: a group whose completions all scored the same, common with pass/fail rewards,
+or a reward at its group's mean)
+and packs this DP rank's share of the rest padding-free (as SFT's); `grpo_step` drives one step
 over it with `step.run_step` and `grpo_loss`: the clipped objective on each micro-batch's logprobs (the policy
 forward is the only one, unless a KL term asks for the reference's logprobs too). A GRPO job takes
 `num_iterations` steps over each batch (TRL's mu): the first step keeps its logprobs, the ratio of rows without
@@ -27,6 +30,7 @@ from scalarlm.training.grpo import (
     parse_rl_rows,
     rl_micro_batches,
     token_weights,
+    with_gradient,
 )
 from scalarlm.training.lora import adapters_disabled
 from scalarlm.training.losses import token_losses
@@ -45,12 +49,13 @@ STATS = ("loss", "clipped_tokens", "tokens", "kl_sum", "routing_changed", "routi
 @dataclass
 class RLBatch:
     """A batch of scored rows as this rank trains it: its micro-batches, the rows' stats and total tokens (every
-    rank), how many steps have trained on it in this run, and the first step's logprobs per micro-batch (kept only
-    when more steps follow)."""
+    rank), the loss tokens of the rows left out for having no gradient (`grpo.with_gradient`), how many steps have
+    trained on it in this run, and the first step's logprobs per micro-batch (kept only when more steps follow)."""
 
     micro: list[RLMicroBatch]
     stats: dict[str, Any]
     tokens: int
+    skipped_loss_tokens: int = 0
     iteration: int = 0
     first_logp: list[Tensor] = field(default_factory=list)
 
@@ -60,7 +65,11 @@ def rl_batch(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> RLBatch:
     args, par = trainer.args, trainer.par
     rows = parse_rl_rows(raw_rows)
     docs, stats = encode_rl_rows(trainer.tokenizer, rows, args.loss, trainer.max_len)
+    tokens = sum(len(d.doc.tokens) for d in docs)
     weights = token_weights(docs, args.loss)
+    skipped = stats["rows_skipped"] = 0
+    if args.kl_coef == 0 and trainer.balance is None:  # nothing but the clipped objective reads a row's tokens
+        docs, weights, stats["rows_skipped"], skipped = with_gradient(docs, weights)
     per_micro = max(args.batch_size, MIN_ROWS_PER_MICRO)
     count = _micro_count(docs, par.dp_size, trainer.max_len, per_micro) if par.ep_size > 1 else None
     micro = rl_micro_batches(docs[par.dp_rank :: par.dp_size], weights[par.dp_rank :: par.dp_size], trainer.max_len,
@@ -71,7 +80,7 @@ def rl_batch(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> RLBatch:
                     fillers, par.dp_rank, len(micro))  # fmt: skip
     if trainer.routing is not None:
         trainer.routing.new_batch()
-    return RLBatch(micro, stats, sum(len(d.doc.tokens) for d in docs))
+    return RLBatch(micro, stats, tokens, skipped_loss_tokens=skipped)
 
 
 def _micro_count(docs: list[RLDoc], dp_size: int, max_len: int, per_micro: int) -> int:
@@ -129,6 +138,7 @@ def grpo_step(trainer: "Trainer", batch: RLBatch) -> dict[str, Any]:
     tokens, stats = batch.tokens, batch.stats
     trainer.tokens_seen += tokens
     loss, clipped, n_tokens, kl_sum, changed, compared = (float(x) for x in result.sums)
+    n_tokens += batch.skipped_loss_tokens  # rows without gradient: in the loss's token count, not computed
     elapsed = time.perf_counter() - start
     metrics = {
         "step": trainer.step,

@@ -10,7 +10,10 @@ rewards), computes the GRPO loss (+ KL) and its gradients twice:
 * padded (the reference, written here as the trainer had it): one document per row, padded to a common length with a
   [B, 1, L, L] mask, advantages / sampling logprobs / weights placed per row, the same objective.
 
-Prints one JSON line: both losses, the largest per-parameter relative gradient difference
+Without a KL term (`grpo_no_kl`) the padding-free side also leaves out the rows with advantage 0, as `rl_step.rl_batch`
+does (`grpo.with_gradient`); the padded reference still computes every row.
+
+Prints one JSON line per case: both losses, the largest per-parameter relative gradient difference
 (||g_free - g_padded|| / ||g_padded||), the tokens each layout computed on, how many micro-batches each used and
 how many positions went through the padding-free side's output layer.
 """
@@ -80,16 +83,18 @@ def padded_micro_batch(docs, weights, pad_id: int):
     return mb, adv, old, has_old, w
 
 
-def padded_loss(model, ref_model, docs, weights, pad_id: int) -> tuple[torch.Tensor, int]:
+def padded_loss(model, ref_model, docs, weights, pad_id: int, kl_coef: float) -> tuple[torch.Tensor, dict, int]:
     from scalarlm.training.grpo import grpo_objective
     from scalarlm.training.losses import token_losses
 
     mb, adv, old, has_old, w = padded_micro_batch(docs, weights, pad_id)
-    with torch.no_grad():
-        ref = -token_losses(ref_model, mb).float()
+    ref = None
+    if kl_coef > 0:
+        with torch.no_grad():
+            ref = -token_losses(ref_model, mb).float()
     logp = -token_losses(model, mb).float()
-    loss, _ = grpo_objective(logp, old, has_old, adv, w, mb.loss_mask, CLIP, KL_COEF, ref)
-    return loss, int(mb.tokens.numel())
+    loss, stats = grpo_objective(logp, old, has_old, adv, w, mb.loss_mask, CLIP, kl_coef, ref)
+    return loss, stats, int(mb.tokens.numel())
 
 
 def grads(model) -> dict[str, torch.Tensor]:
@@ -101,7 +106,7 @@ def grads(model) -> dict[str, torch.Tensor]:
 def main() -> int:
     from transformers import AutoTokenizer
 
-    from scalarlm.training.grpo import encode_rl_rows, parse_rl_rows, rl_micro_batches, token_weights
+    from scalarlm.training.grpo import encode_rl_rows, parse_rl_rows, rl_micro_batches, token_weights, with_gradient
     from scalarlm.training.launch_env import launch_env_from
     from scalarlm.training.losses import token_losses
     from scalarlm.training.parallel import init_parallel, shutdown_parallel
@@ -115,12 +120,17 @@ def main() -> int:
         model, ref_model = load_model(model_dir), load_model(model_dir, noise=0.05).eval()
         model.train()
         result = {}
-        for loss_type in ("grpo", "dr_grpo"):
+        # (loss, KL coefficient): with KL every row is computed; without, rows with advantage 0 are left out
+        for case, loss_type, kl_coef in (("grpo", "grpo", KL_COEF), ("dr_grpo", "dr_grpo", KL_COEF),
+                                         ("grpo_no_kl", "grpo", 0.0)):  # fmt: skip
             docs, _ = encode_rl_rows(tokenizer, parse_rl_rows(rows(tokenizer)), loss_type, MAX_LEN)
             weights = token_weights(docs, loss_type)
+            computed, computed_weights, skipped_rows, skipped_tokens = docs, weights, 0, 0
+            if kl_coef == 0:  # as `rl_step.rl_batch` does then
+                computed, computed_weights, skipped_rows, skipped_tokens = with_gradient(docs, weights)
             # Padding-free: the trainer's own micro-batches (two blocks each, so several) and loss function.
-            micro = rl_micro_batches(docs, weights, MAX_LEN, 2, pad_id)
-            trainer = SimpleNamespace(args=SimpleNamespace(kl_coef=KL_COEF, clip_eps=CLIP, num_iterations=1),
+            micro = rl_micro_batches(computed, computed_weights, MAX_LEN, 2, pad_id)
+            trainer = SimpleNamespace(args=SimpleNamespace(kl_coef=kl_coef, clip_eps=CLIP, num_iterations=1),
                                       par=SimpleNamespace(device=torch.device("cpu")), lora=False, ref_model=ref_model,
                                       ddp=model, routing=None)  # fmt: skip
             loss_fn = grpo_loss(trainer, RLBatch(micro, {}, 0))
@@ -133,18 +143,22 @@ def main() -> int:
                 sums += stats
             hook.remove()
             free_grads = grads(model)
-            padded, padded_tokens = padded_loss(model, ref_model, docs, weights, pad_id)
+            padded, padded_stats, padded_tokens = padded_loss(model, ref_model, docs, weights, pad_id, kl_coef)
             padded.backward()
             padded_grads = grads(model)
             rel = {n: float((free_grads[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in padded_grads.items()}
             worst = max(rel, key=rel.get)
-            result[loss_type] = {
+            result[case] = {
                 "loss_free": float(sums[0]), "loss_padded": float(padded.detach()),
-                "clipped_tokens": float(sums[1]), "loss_tokens": float(sums[2]), "kl_sum": float(sums[3]),
+                "clipped_tokens": float(sums[1]), "loss_tokens": float(sums[2]) + skipped_tokens, "kl_sum": float(sums[3]),
+                "clipped_tokens_padded": float(padded_stats["clipped_tokens"]),
+                "loss_tokens_padded": float(padded_stats["tokens"]), "rows_skipped": skipped_rows,
+                "zero_advantage_docs": sum(d.advantage == 0.0 for d in docs),
                 "grad_rel_max": rel[worst], "worst": worst,
                 "grad_norm": float(torch.stack([g.norm() for g in padded_grads.values()]).norm()),
                 "tokens_free": sum(int(m.batch.tokens.numel()) for m in micro), "tokens_padded": padded_tokens,
-                "micro_batches": len(micro), "documents": len(docs), "doc_tokens": sum(len(d.doc.tokens) for d in docs),
+                "micro_batches": len(micro), "documents": len(docs),
+                "doc_tokens": sum(len(d.doc.tokens) for d in computed),
                 "head_rows_free": sum(head_rows[: len(micro)]),  # the policy's forwards (the KL reference's follow)
                 "lengths": sorted({len(d.doc.tokens) for d in docs}),
             }  # fmt: skip

@@ -41,3 +41,15 @@ def test_padding_free_grpo_computes_no_padding(parity: dict) -> None:
     assert r["tokens_free"] == r["doc_tokens"] < r["tokens_padded"], r  # every computed token is a document's
     # ... and only the completion tokens' positions go through the output layer (a prompt's logits are unused)
     assert r["head_rows_free"] == r["loss_tokens"] < r["doc_tokens"], r
+
+
+def test_rows_with_advantage_0_are_not_computed_and_change_nothing(parity: dict) -> None:
+    """Without a KL term the rows whose group scored alike (advantage 0) are left out: the same loss, gradients,
+    loss-token count and clipped tokens as computing every row, on fewer tokens. With KL they are computed."""
+    r, with_kl = parity["grpo_no_kl"], parity["grpo"]
+    assert r["rows_skipped"] == r["zero_advantage_docs"] == 2 and with_kl["rows_skipped"] == 0, r
+    assert r["loss_free"] == pytest.approx(r["loss_padded"], rel=LOSS_REL, abs=1e-9), r
+    assert r["grad_rel_max"] <= GRAD_REL and r["grad_norm"] > 0, r
+    assert (r["loss_tokens"], r["clipped_tokens"]) == (r["loss_tokens_padded"], r["clipped_tokens_padded"]), r
+    assert r["clipped_tokens"] > 0, r  # off-policy rows clip, so the clipped count is a real comparison
+    assert r["tokens_free"] == r["doc_tokens"] < with_kl["doc_tokens"], (r, with_kl)

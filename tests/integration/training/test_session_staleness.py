@@ -4,7 +4,8 @@ files as the control plane would, request k+1 while step k trains.
 With `max_staleness` 1: a batch generated on the weights it trains, or one version older, trains; one two versions
 older is refused ("stale", naming the versions), or with `stale_policy` "reweight" trained with its clipped
 importance ratio against the sampling logprobs: the step's loss equals that objective computed here with NumPy from
-`transformers` logprobs of the checkpoint it trained. Results and `metrics.jsonl` carry the versions.
+`transformers` logprobs of the checkpoint it trained, over every row (the trainer leaves out the rows whose advantage
+is 0: a group of equal rewards, a reward equal to its group's mean). Results and `metrics.jsonl` carry the versions.
 """
 
 from __future__ import annotations
@@ -150,9 +151,12 @@ def test_reweight_trains_a_too_stale_batch_with_its_importance_ratio(tmp_path: P
             {"prompt": "2+2=", "completion_token_ids": [9], "reward": 0.5, "group": "a"},
             {"prompt": "5+1=", "completion_token_ids": [31, 32, 33, 34], "reward": 1.0, "group": "b"},
             {"prompt": "5+1=", "completion_token_ids": [12, 11], "reward": 0.0, "group": "b"},
+            # equal rewards, advantage 0: left out of the computation, yet in the loss's normalisation and token count
+            {"prompt": "1+1=", "completion_token_ids": [7, 8], "reward": 0.5, "group": "c"},
+            {"prompt": "1+1=", "completion_token_ids": [19], "reward": 0.5, "group": "c"},
         ]
         current = _completion_logprobs(job.step_dir(2), rows)
-        offsets = iter([0.0, 0.5, -0.5, 0.1, -0.3, 0.25, -0.05, 0.6, -0.6, 0.15, 0.3, -0.2])
+        offsets = iter([0.0, 0.5, -0.5, 0.1, -0.3, 0.25, -0.05, 0.6, -0.6, 0.15, 0.3, -0.2, 0.2, -0.4, 0.05])
         for row, lp in zip(rows, current):
             row.update(completion="", logprobs=[float(x + next(offsets)) for x in lp])
         _request(files, 5, rows, version=0)
@@ -161,6 +165,8 @@ def test_reweight_trains_a_too_stale_batch_with_its_importance_ratio(tmp_path: P
         assert (trained.version, trained.generated_version, trained.staleness) == (3, 0, 2)
         assert trained.loss == pytest.approx(_importance_weighted_loss(rows, current), rel=1e-4, abs=1e-6)
         assert trained.metrics["clip_fraction"] > 0 and trained.metrics["logprobs_mismatched_rows"] == 0
+        # group c, and group a's 0.5 row (its group's mean): advantage 0, not computed, every token counted
+        assert trained.metrics["rows_skipped"] == 3 and trained.metrics["loss_tokens"] == 15
     metrics = job.read_metrics()
     assert [(m["step"], m["staleness"], m["reweighted"]) for m in metrics] == [(1, 0, False), (2, 1, False),
                                                                                (3, 2, True)]  # fmt: skip

@@ -46,6 +46,13 @@ def test_equal_rewards_and_singletons_have_zero_advantage() -> None:
     assert adv[3:] == [0.0, 0.0, 0.0, 0.0]
 
 
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo"])
+def test_a_group_of_equal_rewards_has_advantage_exactly_zero_even_where_their_float_mean_is_not_them(loss: str) -> None:
+    rewards = [0.1, 0.1, 0.1, 0.7, 0.7, 0.7]
+    assert sum(rewards[:3]) / 3 != 0.1  # the float mean misses the value by an ulp, so r - mean would not be 0
+    assert advantages(rewards, ["a"] * 3 + ["b"] * 3, loss) == [0.0] * 6
+
+
 def _fixed_batch():
     gen = torch.Generator().manual_seed(0)
     logp = -torch.rand(3, 6, generator=gen) * 2
