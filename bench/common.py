@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -36,6 +37,15 @@ def merge_results(figures: dict) -> None:
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     data.update(figures)
     RESULTS.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def drop_weights(work: Path) -> None:
+    """Delete the checkpoints and trainer states (and TRL's output folders) a benchmark's jobs left under `work`;
+    logs, metrics and results stay. An RL session publishes every step: one bench.grpo_learn run left 11 GB."""
+    doomed = [p for p in work.rglob("*") if p.is_dir() and (p.name in ("checkpoints", "state") or
+                                                             p.name.startswith("out-trl"))]  # fmt: skip
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def rss_mb(pid: int) -> float:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import ROOT, Process, free_port, merge_results, python
+from bench.common import Process, ROOT, drop_weights, free_port, merge_results, python
 from bench.training import make_model
 
 PROMPTS_PER_STEP = 4
@@ -270,6 +270,7 @@ def main() -> None:
         print("grpo_step_vs_trl_digits: MISSING (one side was not measured; no ratio recorded)")
     merge_results(figures)
     print(json.dumps(figures))
+    drop_weights(work)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ first number written is the sum). The warm start is one short SFT job on our tra
 the start of all three runs: our RL session one step at a time (sync), our session's `pipeline` (the next batch
 generated while the step trains, `max_staleness` 1: async), and TRL in a fresh process. `grpo_step_vs_trl` is
 the async ratio, `grpo_step_vs_trl_sync` the sync one (bench/grpo.py's digit-reward ratio is
-`grpo_step_vs_trl_digits`). Step time = wall time from
+`grpo_step_vs_trl_digits`). Our trainer leaves out the rows whose advantage is 0 (their gradient is exactly 0;
+TRL computes them): `grpo_learn_rows_skipped_*` is the fraction of rows that were. Step time = wall time from
 the end of step 1 to the end of step N / (N - 1). Prints the ratios measured in this run, the load average, and
 writes build/bench/grpo_reward_curves.png. Not a test.
 """
@@ -26,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import ROOT, free_port, merge_results, python
+from bench.common import ROOT, drop_weights, free_port, merge_results, python
 from bench.grpo import CLIP, COMPLETION, GROUP, PROMPTS_PER_STEP, SlowStart, arguments, finish_trl, load, trl_grpo
 from bench.training import make_model
 
@@ -89,7 +90,7 @@ SAMPLING = {"n": GROUP, "temperature": 1.0, "logprobs": 1}
 
 def ours_sync(llm, start: str, steps: int) -> dict:
     """Generate, score, step, one after another."""
-    rewards, ends = [], []
+    rewards, ends, skipped = [], [], []
     rng = random.Random(1)
     with llm.rl_session(model_name=start, train_args=RL_ARGS, max_staleness=0) as session:
         served, version = start, 0
@@ -101,22 +102,25 @@ def ours_sync(llm, start: str, steps: int) -> dict:
             served = session.model_name
             ends.append(time.perf_counter())
             rewards.append(statistics.fmean(r["reward"] for r in rows))
+            skipped.append(session.last.metrics.get("rows_skipped", 0) / len(rows))
     return {"seconds_per_step": (ends[-1] - ends[0]) / (len(ends) - 1), "rewards": rewards,
-            "seconds": [e - ends[0] for e in ends]}  # fmt: skip
+            "seconds": [e - ends[0] for e in ends], "rows_skipped": statistics.fmean(skipped)}  # fmt: skip
 
 
 def ours_async(llm, start: str, steps: int) -> dict:
     """`session.pipeline`: batch k+1 is generated while step k trains (one version stale)."""
     plan = batches(steps)
-    rewards, ends, staleness = [], [], []
+    rewards, ends, staleness, skipped = [], [], [], []
     with llm.rl_session(model_name=start, train_args=RL_ARGS, max_staleness=1) as session:
         pipeline = session.pipeline(lambda i: plan[i], _rows, steps, max_tokens=COMPLETION, **SAMPLING)
         for s in pipeline:
             ends.append(time.perf_counter())
             rewards.append(statistics.fmean(r["reward"] for r in s.rows))
             staleness.append(s.response.staleness)
+            skipped.append(s.response.metrics.get("rows_skipped", 0) / len(s.rows))
     return {"seconds_per_step": (ends[-1] - ends[0]) / (len(ends) - 1), "rewards": rewards,
-            "seconds": [e - ends[0] for e in ends], "staleness": staleness}  # fmt: skip
+            "seconds": [e - ends[0] for e in ends], "staleness": staleness,
+            "rows_skipped": statistics.fmean(skipped)}  # fmt: skip
 
 
 def _rolling(values: list[float], window: int) -> list[float]:
@@ -183,12 +187,16 @@ def main() -> None:
         figures[key] = round(statistics.fmean(run["rewards"][-tail:]), 3)
         print(f"{name:16s} reward curve: " + " ".join(f"{r:.2f}" for r in run["rewards"]))
     print(f"async staleness per step: {curves['ours async'].get('staleness')}")
+    for name in ("ours sync", "ours async"):  # rows of advantage 0: left out of our computation, computed by TRL's
+        figures["grpo_learn_rows_skipped_" + name.split()[1]] = round(curves[name]["rows_skipped"], 3)
+        print(f"{name}: {curves[name]['rows_skipped']:.0%} of the rows had advantage 0 (not computed)")
     print(f"grpo_step_vs_trl = {figures['grpo_step_vs_trl']} (async, target <= 0.5), "
           f"grpo_step_vs_trl_sync = {figures['grpo_step_vs_trl_sync']}")
     plot(curves, args.steps)
     print(f"wrote {PNG}")
     merge_results(figures)
     print(json.dumps(figures))
+    drop_weights(work)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import ROOT, merge_results
+from bench.common import ROOT, drop_weights, merge_results
 from bench.training import best_run, line, load, ours
 
 SHAPE = dict(layers=6, hidden=512, heads=8, kv_heads=4, vocab=1024, seed=0,
@@ -56,6 +56,7 @@ def main() -> None:
           f"EP=2 / one rank = {figures['moe_ep2_vs_one_rank']}   load avg {before} -> {load()}")  # fmt: skip
     merge_results(figures)
     print(json.dumps(figures))
+    drop_weights(work)
 
 
 if __name__ == "__main__":

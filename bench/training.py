@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import ROOT, merge_results, python
+from bench.common import ROOT, drop_weights, merge_results, python
 
 SEQ_LEN = 128
 BATCH = 8
@@ -274,6 +274,7 @@ def main() -> None:
             print(f"  DP=2 vs 1 rank using both cores: {dp2['tokens_per_second'] / one['tokens_per_second']:.3f}")
     merge_results(figures)
     print(json.dumps(figures))
+    drop_weights(work)
 
 
 if __name__ == "__main__":
