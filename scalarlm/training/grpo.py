@@ -171,9 +171,11 @@ def token_weights(docs: Sequence[RLDoc], loss: str) -> list[float]:
 
 def with_gradient(docs: Sequence[RLDoc], weights: Sequence[float]) -> tuple[list[RLDoc], list[float], int, int]:
     """The documents whose clipped objective has a gradient (advantage not 0: not in a group of equal rewards, not
-    at their group's mean reward) and their weights; how many were left out and their loss tokens. A document with advantage 0 adds exactly 0 to that loss and to its gradient at every
-    token (`-min(ratio * 0, clip(ratio) * 0)`), so leaving it out changes neither, as long as nothing else (a KL term, a
-    mixture-of-experts load-balancing loss) reads its tokens: the caller decides that. Its weight stays as computed
+    at their group's mean reward) and their weights; how many were left out and their loss tokens.
+
+    A document with advantage 0 adds exactly 0 to that loss and to its gradient at every token
+    (`-min(ratio * 0, clip(ratio) * 0)`), so leaving it out changes neither, as long as nothing else (a KL term, a
+    mixture-of-experts load-balancing loss) reads its tokens: the caller decides that. The weights stay as computed
     over every document."""
     kept = [i for i, d in enumerate(docs) if d.advantage != 0.0]
     left = [d for d in docs if d.advantage == 0.0]

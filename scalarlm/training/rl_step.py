@@ -2,10 +2,9 @@
 
 `rl_batch` tokenizes the rows, leaves out those whose loss has no gradient (advantage 0, when no KL term or
 load-balancing loss reads their tokens: a group whose completions all scored the same, common with pass/fail rewards,
-or a reward at its group's mean)
-and packs this DP rank's share of the rest padding-free (as SFT's); `grpo_step` drives one step
-over it with `step.run_step` and `grpo_loss`: the clipped objective on each micro-batch's logprobs (the policy
-forward is the only one, unless a KL term asks for the reference's logprobs too). A GRPO job takes
+or a reward at its group's mean) and packs this DP rank's share of the rest padding-free (as SFT's); `grpo_step`
+drives one step over it with `step.run_step` and `grpo_loss`: the clipped objective on each micro-batch's logprobs
+(the policy forward is the only one, unless a KL term asks for the reference's logprobs too). A GRPO job takes
 `num_iterations` steps over each batch (TRL's mu): the first step keeps its logprobs, the ratio of rows without
 sampling logprobs in the later steps compares with them, and on a mixture-of-experts model the first step's expert
 choices are recorded, compared with and, with `routing_replay`, replayed (`moe_replay`).

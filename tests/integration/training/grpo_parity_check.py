@@ -150,7 +150,8 @@ def main() -> int:
             worst = max(rel, key=rel.get)
             result[case] = {
                 "loss_free": float(sums[0]), "loss_padded": float(padded.detach()),
-                "clipped_tokens": float(sums[1]), "loss_tokens": float(sums[2]) + skipped_tokens, "kl_sum": float(sums[3]),
+                "clipped_tokens": float(sums[1]), "loss_tokens": float(sums[2]) + skipped_tokens,
+                "kl_sum": float(sums[3]),
                 "clipped_tokens_padded": float(padded_stats["clipped_tokens"]),
                 "loss_tokens_padded": float(padded_stats["tokens"]), "rows_skipped": skipped_rows,
                 "zero_advantage_docs": sum(d.advantage == 0.0 for d in docs),
