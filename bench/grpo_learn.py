@@ -35,6 +35,10 @@ PROBLEMS = [(f"{a}+{b}=", str(a + b)) for a, b in itertools.product(range(5), re
 ANSWERS = dict(PROBLEMS)
 LR = 1e-4
 SFT_STEPS = 4  # few on purpose: the warm start learns the format and some sums, and leaves the rest to RL
+# Measured from this model (8 completions of each of the 25 problems at temperature 1): at 1e-3 the warm start collapses
+# to one answer per prompt (mean reward 0.23, 2 of 25 groups with any spread, so almost no row has a gradient); at 3e-4
+# it scores 0.73 with 10 of 25 groups spread, which leaves RL something to learn.
+SFT_LR = 3e-4
 PNG = ROOT / "build" / "bench" / "grpo_reward_curves.png"
 _NUMBER = re.compile(r"\d+")
 
@@ -75,7 +79,7 @@ def _rows(batch: list[str], results: list) -> list[dict]:
 def warm_start(llm, home: Path) -> tuple[str, Path]:
     """One short SFT job on the answer format; its id and its published checkpoint (HF layout)."""
     rows = [{"input": p, "output": a} for p, a in PROBLEMS]
-    job = llm.train(rows, train_args={"adapter_type": "full", "learning_rate": 1e-3, "max_seq_len": 32,
+    job = llm.train(rows, train_args={"adapter_type": "full", "learning_rate": SFT_LR, "max_seq_len": 32,
                                       "dtype": "float32", "lr_schedule": "constant", "batch_size": 8,
                                       "max_steps": SFT_STEPS, "steps_per_checkpoint": SFT_STEPS})  # fmt: skip
     job.wait(timeout=900, progress=False)
