@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import Process, ROOT, drop_weights, free_port, merge_results, python
+from bench.common import ROOT, Process, drop_weights, free_port, merge_results, python
 from bench.training import make_model
 
 PROMPTS_PER_STEP = 4

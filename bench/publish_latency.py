@@ -50,11 +50,8 @@ def floor_seconds(tensors: dict[str, Any], folder: Path) -> float:
 
 def published_tensors(model: Any, kind: str) -> dict[str, Any]:
     """A copy of the tensors a publish of `model` writes (the whole model, or the LoRA adapter)."""
-    if kind == "lora":
-        from peft import get_peft_model_state_dict
-
-        return {k: v.detach().contiguous().clone() for k, v in get_peft_model_state_dict(model).items()}
-    return {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    state = adapter_tensors(model) if kind == "lora" else model.state_dict()
+    return {k: v.detach().contiguous().clone() for k, v in state.items()}
 
 
 def _catalog(job: Any, kind: str, base: Any) -> Callable[[], list[Any]]:
