@@ -88,6 +88,9 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    from scalarlm.inference.process_env import configure_openmp_env
+
+    configure_openmp_env()  # before torch loads
     from scalarlm.cli.serve import serve
     from scalarlm.config import load_settings
 
