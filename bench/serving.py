@@ -130,14 +130,17 @@ async def _openai_load(url: str, model: str, concurrency: int, total: int) -> fl
         return tokens / (time.perf_counter() - t)
 
 
-async def openai_throughput(url: str, model: str, concurrency: int = 64, total: int = 256, rounds: int = 3) -> float:
-    """Best of `rounds` loads, after a warm-up round at the same concurrency (the same for every server).
-
-    The warm-up runs every batch size the engine will see (the first pass over new shapes is slow on CPU);
-    the best round is the one least disturbed by other work on a shared box.
-    """
-    await _openai_load(url, model, concurrency, concurrency)
-    return max([await _openai_load(url, model, concurrency, total) for _ in range(rounds)])
+async def openai_pair(ours: str, theirs: str, model: str, concurrency: int = 64, total: int = 256,
+                      rounds: int = 3) -> tuple[float, float]:  # fmt: skip
+    """Best of `rounds` interleaved loads on each server (tokens/s), after a warm-up load on each at the same
+    concurrency: a burst of other work on the shared box costs both alike, and each side's best round is the one
+    least disturbed. The warm-up runs every batch size the engine will see (the first pass over new shapes is slow
+    on CPU)."""
+    for url in (ours, theirs):
+        await _openai_load(url, model, concurrency, concurrency)
+    pairs = [(await _openai_load(ours, model, concurrency, total), await _openai_load(theirs, model, concurrency, total))
+             for _ in range(rounds)]  # fmt: skip
+    return max(o for o, _ in pairs), max(t for _, t in pairs)
 
 
 ENGINE_FLAGS = r"""
@@ -196,11 +199,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as home, serve(model, home, port, logs / "scalarlm-serve.log") as srv:
         url = f"http://127.0.0.1:{port}"
         raw, queued = queue_and_raw(url, model, args.rounds)
-        ours_openai = asyncio.run(openai_throughput(url, name))
+        their_port = free_port()  # vLLM's own server runs beside ours only for the interleaved OpenAI rounds
+        with vllm_serve(model, their_port, logs / "vllm-serve.log"):
+            ours_openai, theirs_openai = asyncio.run(openai_pair(url, f"http://127.0.0.1:{their_port}", name))
         figures.update(submit_many(url, srv.pid, args.big))
-    port = free_port()
-    with vllm_serve(model, port, logs / "vllm-serve.log"):
-        theirs_openai = asyncio.run(openai_throughput(f"http://127.0.0.1:{port}", name))
 
     figures["queue_vs_raw_vllm"] = round(queued / raw, 3)
     figures["openai_vs_vllm_serve"] = round(ours_openai / theirs_openai, 3)
