@@ -1,4 +1,4 @@
-"""Process-wide environment vLLM reads at import time, set in one place by the worker entry point."""
+"""Process-wide environment that vLLM and OpenMP read when they load, set in one place by the entry points."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 logger = logging.getLogger(__name__)
 
-# How long an idle OpenMP thread spins before it sleeps (libgomp's default is 300,000 spins, ~a millisecond).
+# How many times an idle OpenMP thread spins before it sleeps (libgomp's default: 300,000).
 OPENMP_SPIN_COUNT = "10000"
 
 
@@ -17,10 +17,7 @@ def configure_openmp_env() -> None:
     Call it before anything loads torch (libgomp reads the variable once, when it loads): the engine core and the
     trainers the server launches inherit it. A thread that spins long after its work takes a core that something
     else on the host needs: a CPU engine beside a CPU session trainer, or the engine's weight swap while a step
-    trains. Measured on a 2-core box (bench/grpo_learn's async session, 30 steps, five runs each way): the median
-    swap of 149 MB per run took 0.51-0.67 s with libgomp's default spin and 0.22-0.25 s with 10,000; the async step
-    took 1.04-1.57 s (median 1.11) and 1.01-1.14 s (median 1.04). The sync step and the engine alone (tokens/s, a
-    small batch's latency) did not move beyond the box's noise.
+    trains. The measurements are in docs/architecture.md ("Async RL sessions").
     """
     if "OMP_WAIT_POLICY" not in os.environ:  # PASSIVE / ACTIVE chosen by the user: theirs to keep
         os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN_COUNT)

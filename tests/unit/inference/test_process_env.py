@@ -1,5 +1,6 @@
 """The OpenMP setting `scalarlm serve` makes before torch loads."""
 
+import os
 import subprocess
 import sys
 
@@ -16,15 +17,11 @@ def clean_env(monkeypatch):
 
 
 def test_the_spin_count_is_set_when_the_user_set_none(clean_env):
-    import os
-
     configure_openmp_env()
     assert os.environ["GOMP_SPINCOUNT"] == OPENMP_SPIN_COUNT
 
 
 def test_a_users_spin_count_or_wait_policy_wins(clean_env):
-    import os
-
     clean_env.setenv("GOMP_SPINCOUNT", "200000")
     configure_openmp_env()
     assert os.environ["GOMP_SPINCOUNT"] == "200000"
@@ -44,7 +41,7 @@ def test_scalarlm_serve_sets_it_before_it_builds_anything(tmp_path):
         "from scalarlm.cli.main import main\n"
         f"sys.exit(main(['serve', '--home', {str(tmp_path)!r}]))\n"
     )
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [OPENMP_SPIN_COUNT, "False"]
