@@ -35,10 +35,15 @@ from scalarlm.training.rows import Row
 
 @dataclass(frozen=True)
 class Document:
-    """One row as tokens; `targets[t]` says token t is a completion token (predicted by the loss)."""
+    """One row as tokens; `targets[t]` says token t is a completion token (predicted by the loss).
+
+    `parts`: a shared-prefix document (GRPO's rows that share a prompt, `grpo.share_prompts`) names where its parts
+    after the first start. Each later part continues the first one alone: its positions follow the first part's, it
+    attends to all of it and to itself (causally), never to a sibling part. () = one ordinary document."""
 
     tokens: tuple[int, ...]
     targets: tuple[bool, ...]
+    parts: tuple[int, ...] = ()
 
 
 @dataclass
@@ -91,11 +96,19 @@ def encode_rows(tokenizer: Any, rows: Sequence[Row], max_len: int) -> tuple[list
 
 @dataclass(frozen=True)
 class Block:
-    """One training sequence: documents packed end to end (`doc_starts` are their offsets)."""
+    """One training sequence: documents packed end to end (`doc_starts` are their offsets, a shared-prefix
+    document's parts each counted). `continues[i]`: the index (in `doc_starts`) of the part that part i continues,
+    -1 for none; () when no part continues another."""
 
     tokens: tuple[int, ...]
     targets: tuple[bool, ...]
     doc_starts: tuple[int, ...]
+    continues: tuple[int, ...] = ()
+
+    @property
+    def documents(self) -> int:
+        """How many documents the block holds (a shared-prefix document is one)."""
+        return len(self.doc_starts) - sum(c >= 0 for c in self.continues)
 
 
 def pack(docs: Sequence[Document], order: Sequence[int], max_len: int, packing: bool) -> list[Block]:
@@ -104,16 +117,24 @@ def pack(docs: Sequence[Document], order: Sequence[int], max_len: int, packing: 
     tokens: list[int] = []
     targets: list[bool] = []
     starts: list[int] = []
+    continues: list[int] = []
+
+    def close() -> None:
+        shared = tuple(continues) if any(c >= 0 for c in continues) else ()
+        blocks.append(Block(tuple(tokens), tuple(targets), tuple(starts), shared))
+
     for i in order:
         doc = docs[i]
         if tokens and (not packing or len(tokens) + len(doc.tokens) > max_len):
-            blocks.append(Block(tuple(tokens), tuple(targets), tuple(starts)))
-            tokens, targets, starts = [], [], []
-        starts.append(len(tokens))
+            close()
+            tokens, targets, starts, continues = [], [], [], []
+        first = len(starts)
+        starts += [len(tokens)] + [len(tokens) + s for s in doc.parts]
+        continues += [-1] + [first] * len(doc.parts)
         tokens += doc.tokens
         targets += doc.targets
     if tokens:
-        blocks.append(Block(tuple(tokens), tuple(targets), tuple(starts)))
+        close()
     return blocks
 
 
@@ -163,8 +184,9 @@ class BlockStream:
 class MicroBatch:
     """Tensors for one forward pass: [B, L] ids/labels/loss mask/positions, and either a [B, 1, L, L] mask
     (True = hidden; padded layout) or, padding-free, B = 1 and `doc_bounds` (document offsets, then the end).
-    `filler`: one pad token that trains nothing (`filler_micro`), run so that every rank of an expert-parallel group
-    takes part in as many forward and backward passes."""
+    `doc_continues`: per document of `doc_bounds`, the index of the one it continues (a shared prefix) or -1; None
+    when none does. `filler`: one pad token that trains nothing (`filler_micro`), run so that every rank of an
+    expert-parallel group takes part in as many forward and backward passes."""
 
     tokens: Tensor
     labels: Tensor
@@ -173,6 +195,7 @@ class MicroBatch:
     attention_mask: Tensor | None
     doc_bounds: tuple[int, ...] | None = None
     filler: bool = False
+    doc_continues: tuple[int, ...] | None = None
 
     def to(self, device: torch.device) -> "MicroBatch":
         moved = {k: v.to(device, non_blocking=True) if isinstance(v, Tensor) else v for k, v in vars(self).items()}
@@ -197,8 +220,9 @@ class MicroBatch:
             mask[:, :, extra, extra] = False  # each added position sees itself (no empty softmax row)
         positions = torch.cat([self.position_ids, torch.arange(pad, device=device).expand(rows, -1)], dim=1)
         bounds = None if self.doc_bounds is None else (*self.doc_bounds, length + pad)
+        continues = None if self.doc_continues is None else (*self.doc_continues, -1)
         grown = MicroBatch(grow(self.tokens, 0), grow(self.labels, 0), grow(self.loss_mask, 0.0), positions, mask,
-                           bounds, self.filler)  # fmt: skip
+                           bounds, self.filler, continues)  # fmt: skip
         return grown, (torch.arange(length + pad, device=device) >= length).expand(rows, -1)
 
 
@@ -239,25 +263,32 @@ def collate(blocks: Sequence[Block], pad_id: int, multiple: int = 8) -> MicroBat
 
 def collate_packed(blocks: Sequence[Block], pad_id: int) -> MicroBatch:
     """The blocks end to end in one [1, T] row with no padding: attention stays within each document
-    (`doc_bounds`), positions restart per document, and no label crosses a document or block boundary."""
+    (`doc_bounds`), positions restart per document (a part that continues a shared prefix goes on from the prefix's
+    length), and no label crosses a document or block boundary."""
     tokens: list[int] = []
     labels: list[int] = []
     mask: list[float] = []
     positions: list[int] = []
     bounds: list[int] = []
+    continues: list[int] = []
     for block in blocks:
-        base, k = len(tokens), len(block.tokens)
+        base, k, first = len(tokens), len(block.tokens), len(bounds)
         ends = list(block.doc_starts[1:]) + [k]
-        for start, end in zip(block.doc_starts, ends):
+        lengths = [end - start for start, end in zip(block.doc_starts, ends)]
+        for i, (start, end) in enumerate(zip(block.doc_starts, ends)):
+            of = block.continues[i] if block.continues else -1
             bounds.append(base + start)
-            positions += range(end - start)
+            continues.append(first + of if of >= 0 else -1)
+            offset = lengths[of] if of >= 0 else 0
+            positions += range(offset, offset + end - start)
             labels += list(block.tokens[start + 1 : end]) + [pad_id]
             mask += [float(t) for t in block.targets[start + 1 : end]] + [0.0]
         tokens += block.tokens
     bounds.append(len(tokens))
     row = lambda xs, dtype: torch.tensor(xs, dtype=dtype).unsqueeze(0)  # noqa: E731
+    shared = tuple(continues) if any(c >= 0 for c in continues) else None
     return MicroBatch(row(tokens, torch.long), row(labels, torch.long), row(mask, torch.float32),
-                      row(positions, torch.long), None, tuple(bounds))  # fmt: skip
+                      row(positions, torch.long), None, tuple(bounds), doc_continues=shared)  # fmt: skip
 
 
 def filler_micro(pad_id: int) -> MicroBatch:

@@ -200,25 +200,82 @@ def doc_token_inputs(doc: RLDoc, weight: float) -> Tensor:
     return out
 
 
+def _prompt_length(doc: Document) -> int:
+    """Tokens before the first completion token."""
+    return doc.targets.index(True) if True in doc.targets else len(doc.tokens)
+
+
+def prompt_units(docs: Sequence[Document], max_len: int) -> list[list[int]]:
+    """The documents (by index, in order of first appearance) that pack as one shared-prefix document: those with the
+    same prompt tokens (a GRPO group's completions, as sampled), as many as fit in `max_len` tokens with the prompt
+    once; every other document alone. A prompt of one token is not shared (nothing would be saved)."""
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i, doc in enumerate(docs):
+        by_prompt.setdefault(doc.tokens[: _prompt_length(doc)], []).append(i)
+    units: list[list[int]] = []
+    for prompt, members in by_prompt.items():
+        if len(prompt) < 2:
+            units += [[i] for i in members]
+            continue
+        unit: list[int] = []
+        size = len(prompt) - 1
+        for i in members:
+            part = len(docs[i].tokens) - (len(prompt) - 1)
+            if unit and size + part > max_len:
+                units.append(unit)
+                unit, size = [], len(prompt) - 1
+            unit.append(i)
+            size += part
+        units.append(unit)
+    return units
+
+
+def shared_prompt_tokens(docs: Sequence[Document], units: Sequence[Sequence[int]]) -> int:
+    """The prompt tokens `units` compute once instead of once per document."""
+    return sum((len(u) - 1) * (_prompt_length(docs[u[0]]) - 1) for u in units)
+
+
+def unit_document(docs: Sequence[Document], members: Sequence[int]) -> Document:
+    """One document, or several with the same prompt as one shared-prefix document: the prompt but its last token,
+    then each document from the prompt's last token on (that token predicts the completion's first), as parts that
+    continue the prefix (`data.Document.parts`)."""
+    if len(members) == 1:
+        return docs[members[0]]
+    cut = _prompt_length(docs[members[0]]) - 1
+    tokens, targets, parts = list(docs[members[0]].tokens[:cut]), [False] * cut, []
+    for i in members:
+        parts.append(len(tokens))
+        tokens += docs[i].tokens[cut:]
+        targets += docs[i].targets[cut:]
+    return Document(tuple(tokens), tuple(targets), tuple(parts))
+
+
 def rl_micro_batches(
     docs: Sequence[RLDoc], weights: Sequence[float], max_len: int, blocks_per_micro: int, pad_id: int,
-    count: int | None = None,
+    count: int | None = None, share: bool = True,
 ) -> list[RLMicroBatch]:
     """The documents packed end to end as SFT's (`data.pack` into blocks of at most `max_len` tokens, in order),
     `blocks_per_micro` blocks per padding-free micro-batch (`collate_packed`: attention within each document); each
-    document's advantages, sampling logprobs and weights ride along at its own positions. With `count`: exactly that
-    many micro-batches: the same ones, after fillers (`data.filler_micro`) where the blocks make fewer."""
-    blocks = pack([d.doc for d in docs], range(len(docs)), max_len, packing=True)
-    inputs = [doc_token_inputs(d, w) for d, w in zip(docs, weights)]
+    document's advantages, sampling logprobs and weights ride along at its own positions. With `share`, the documents
+    with the same prompt are one shared-prefix document each (`prompt_units`): the prompt is computed once for all
+    of them, with the same loss and gradients. With `count`: exactly that many micro-batches: the same ones, after
+    fillers (`data.filler_micro`) where the blocks make fewer."""
+    plain = [d.doc for d in docs]
+    units = prompt_units(plain, max_len) if share else [[i] for i in range(len(docs))]
+    blocks = pack([unit_document(plain, u) for u in units], range(len(units)), max_len, packing=True)
+    inputs = []
+    for u in units:
+        cut = 0 if len(u) == 1 else _prompt_length(plain[u[0]]) - 1  # the prefix predicts nothing: zeros
+        inputs.append(torch.cat([torch.zeros(4, cut)] + [doc_token_inputs(docs[i], weights[i])[:, cut:] for i in u], 1))
     out, fillers, first = [], [], 0
     for span in chunks(len(blocks), blocks_per_micro, count):
         if not span:
             fillers.append(RLMicroBatch(filler_micro(pad_id), *torch.zeros(4, 1, 1)))
             continue
         chunk = blocks[span.start : span.stop]
-        n_docs = sum(len(b.doc_starts) for b in chunk)  # pack keeps the order: these are the next n_docs documents
-        per_token = torch.cat(inputs[first : first + n_docs], dim=1).unsqueeze(1)  # [4, 1, T]
-        first += n_docs
+        n_units = sum(b.documents for b in chunk)  # pack keeps the order: these are the next n_units units
+        per_token = torch.cat(inputs[first : first + n_units], dim=1).unsqueeze(1)  # [4, 1, T]
+        first += n_units
         out.append(RLMicroBatch(collate_packed(chunk, pad_id), *per_token))
     return fillers + out
 

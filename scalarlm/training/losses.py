@@ -29,7 +29,7 @@ def token_losses(model, batch: MicroBatch, loss_only: bool = False) -> Tensor:
     if config.sequence_parallel:
         pad = -batch.tokens.shape[1] % config.tensor_model_parallel_size
         batch, padding = batch.padded(pad)
-    packed = document_bounds(batch.doc_bounds) if batch.doc_bounds is not None else None
+    packed = document_bounds(batch.doc_bounds, batch.doc_continues) if batch.doc_bounds is not None else None
     out = model(
         batch.tokens,
         batch.position_ids,

@@ -123,24 +123,29 @@ def _moe_config(arch: ModelArch, aux_loss_coef: float) -> dict:
     }
 
 
-def document_bounds(bounds: tuple[int, ...]):
-    """Packed-sequence params naming where each document starts and ends in a [1, T] padding-free micro-batch.
+def document_bounds(bounds: tuple[int, ...], continues: tuple[int, ...] | None = None):
+    """Packed-sequence params naming where each document starts and ends in a [1, T] padding-free micro-batch, and
+    (`continues`, per document: the one it continues or -1) which ones continue a shared prefix.
 
     `qkv_format` stays "sbhd", so megatron keeps its ordinary [S, B, ...] path (rope follows `position_ids`) and
-    only `SdpaAttention` reads `bounds`; the max lengths size megatron's RoPE table.
+    only `SdpaAttention` reads `bounds` and `continues`; the max lengths size megatron's RoPE table.
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))  # the RoPE table megatron builds covers it
+    sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    # the RoPE table megatron builds covers every position: a continuing part's go on from its prefix's length
+    longest = max(n + (sizes[c] if continues and c >= 0 else 0) for n, c in zip(sizes, continues or [-1] * len(sizes)))
     params = PackedSeqParams(qkv_format="sbhd", max_seqlen_q=longest, max_seqlen_kv=longest)
     params.bounds = bounds  # type: ignore[attr-defined]
+    params.continues = continues  # type: ignore[attr-defined]
     return params
 
 
-def _window_mask(n: int, window: int, device: torch.device) -> Tensor:
-    """[n, n] True where query i may attend key j: causal and i - j < window (HF's sliding_window_overlay)."""
-    i = torch.arange(n, device=device)
-    offset = i[:, None] - i[None, :]
+def _window_mask(n: int, window: int, device: torch.device, before: int = 0) -> Tensor:
+    """[n, before + n] True where query i may attend key j: causal and i - j < window (HF's sliding_window_overlay).
+    `before`: the keys start with that many of a shared prefix, which the queries follow (query i is at position
+    before + i)."""
+    offset = (torch.arange(n, device=device) + before)[:, None] - torch.arange(before + n, device=device)[None, :]
     return (offset >= 0) & (offset < window)
 
 
@@ -179,9 +184,10 @@ def _sdpa_attention_class(arch: ModelArch):
             opts = {"scale": self.softmax_scale, "dropout_p": self.attention_dropout.p if self.training else 0.0}
             window = arch.window(self.layer_number - 1)  # megatron numbers layers from 1
 
-            def causal(q, k, v, allowed=None):
-                if window is not None:
-                    local = _window_mask(q.shape[2], window, q.device)
+            def causal(q, k, v, allowed=None, before=0):
+                # `before`: k and v start with that many keys of a shared prefix, all of them before every query
+                if window is not None or before:
+                    local = _window_mask(q.shape[2], window or before + q.shape[2], q.device, before)
                     allowed = local if allowed is None else allowed & local
                 if arch.attn_logit_softcap is not None:
                     if allowed is None:
@@ -196,8 +202,17 @@ def _sdpa_attention_class(arch: ModelArch):
                 # split, not slices: a slice's backward writes its grad into a zeroed full-length copy (one per
                 # document, then summed); split's backward is one cat. 3.3 of 13.5 ms per layer at 8 documents.
                 sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-                parts = zip(*(t.split(sizes, dim=2) for t in (q, k, v)))
-                out = torch.cat([causal(*qkv) for qkv in parts], dim=2)
+                parts = list(zip(*(t.split(sizes, dim=2) for t in (q, k, v))))
+                continues = getattr(packed_seq_params, "continues", None) or [-1] * len(parts)
+
+                def document(i: int) -> Tensor:
+                    qi, ki, vi = parts[i]
+                    if continues[i] < 0:
+                        return causal(qi, ki, vi)
+                    _, kp, vp = parts[continues[i]]  # the shared prefix: every key of it, then this part's own
+                    return causal(qi, torch.cat([kp, ki], dim=2), torch.cat([vp, vi], dim=2), before=kp.shape[2])
+
+                out = torch.cat([document(i) for i in range(len(parts))], dim=2)
             elif attention_mask is not None:
                 out = causal(q, k, v, ~attention_mask)
             else:

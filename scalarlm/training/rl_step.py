@@ -20,15 +20,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from scalarlm.training.data import MicroBatch, even_count, pack
+from scalarlm.training.data import Document, MicroBatch, even_count, pack
 from scalarlm.training.grpo import (
     RLDoc,
     RLMicroBatch,
     encode_rl_rows,
     grpo_objective,
     parse_rl_rows,
+    prompt_units,
     rl_micro_batches,
+    shared_prompt_tokens,
     token_weights,
+    unit_document,
     with_gradient,
 )
 from scalarlm.training.lora import adapters_disabled
@@ -69,10 +72,13 @@ def rl_batch(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> RLBatch:
     skipped = stats["rows_skipped"] = 0
     if args.kl_coef == 0 and trainer.balance is None:  # nothing but the clipped objective reads a row's tokens
         docs, weights, stats["rows_skipped"], skipped = with_gradient(docs, weights)
+    # Rows with the same prompt compute it once (exact), unless a load-balancing loss counts every row's tokens.
+    share = trainer.balance is None
+    stats["prompt_tokens_shared"] = _shared_tokens(docs, par.dp_size, trainer.max_len) if share else 0
     per_micro = max(args.batch_size, MIN_ROWS_PER_MICRO)
-    count = _micro_count(docs, par.dp_size, trainer.max_len, per_micro) if par.ep_size > 1 else None
+    count = _micro_count(docs, par.dp_size, trainer.max_len, per_micro, share) if par.ep_size > 1 else None
     micro = rl_micro_batches(docs[par.dp_rank :: par.dp_size], weights[par.dp_rank :: par.dp_size], trainer.max_len,
-                             per_micro, trainer.pad_id, count)  # fmt: skip
+                             per_micro, trainer.pad_id, count, share)  # fmt: skip
     fillers = sum(m.batch.filler for m in micro)
     if fillers:
         logger.info("expert parallelism: %d filler micro-batch(es) on DP rank %d (%d micro-batches on every rank)",
@@ -82,11 +88,25 @@ def rl_batch(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> RLBatch:
     return RLBatch(micro, stats, tokens, skipped_loss_tokens=skipped)
 
 
-def _micro_count(docs: list[RLDoc], dp_size: int, max_len: int, per_micro: int) -> int:
-    """`data.even_count` over the blocks each DP rank's share of `docs` packs into (every rank computes the same
-    number: all ranks hold every document)."""
+def _rank_units(docs: list[RLDoc], dp_size: int, max_len: int, share: bool) -> list[list[Document]]:
+    """Each DP rank's share of `docs` as `rl_micro_batches` packs it (every rank computes the same: all ranks hold
+    every document)."""
     shares = [[d.doc for d in docs[r::dp_size]] for r in range(dp_size)]
-    return even_count([len(pack(share, range(len(share)), max_len, packing=True)) for share in shares], per_micro)
+    if not share:
+        return shares
+    return [[unit_document(s, u) for u in prompt_units(s, max_len)] for s in shares]
+
+
+def _shared_tokens(docs: list[RLDoc], dp_size: int, max_len: int) -> int:
+    """The prompt tokens every rank together computes once instead of once per row (`grpo.prompt_units`)."""
+    shares = [[d.doc for d in docs[r::dp_size]] for r in range(dp_size)]
+    return sum(shared_prompt_tokens(s, prompt_units(s, max_len)) for s in shares)
+
+
+def _micro_count(docs: list[RLDoc], dp_size: int, max_len: int, per_micro: int, share: bool) -> int:
+    """`data.even_count` over the blocks each DP rank's share of `docs` packs into."""
+    units = _rank_units(docs, dp_size, max_len, share)
+    return even_count([len(pack(u, range(len(u)), max_len, packing=True)) for u in units], per_micro)
 
 
 def _reference_logp(trainer: "Trainer", batch: MicroBatch) -> Tensor:

@@ -1,11 +1,15 @@
 """Run by test_grpo_padding_free.py (one process): padding-free GRPO micro-batches against the padded layout.
 
+`grpo_parity_check.py MODEL [FAMILY_MODEL ...]`: every case below on MODEL; the shared-prompt case again on each
+FAMILY_MODEL (sliding windows, soft-capped attention, per-layer RoPE bases), keyed "grpo:<its folder name>".
+
 On a real megatron model (and a second, perturbed one as the KL reference) and a fixed batch of scored rows of
 different lengths (some with sampling logprobs far enough off-policy to clip, some on-policy, one group with equal
 rewards), computes the GRPO loss (+ KL) and its gradients twice:
 
 * padding-free: the trainer's own `grpo.rl_micro_batches` (documents packed end to end into [1, T] rows, attention
-  within each document) and `rl_step.grpo_loss`, over several micro-batches, gradients accumulated, with the
+  within each document; the rows of a prompt as one shared-prefix document, the prompt computed once, except in the
+  `_unshared` case) and `rl_step.grpo_loss`, over several micro-batches, gradients accumulated, with the
   output layer run only at the loss positions (`token_losses(..., loss_only=True)`, as the step driver runs it);
 * padded (the reference, written here as the trainer had it): one document per row, padded to a common length with a
   [B, 1, L, L] mask, advantages / sampling logprobs / weights placed per row, the same objective.
@@ -106,7 +110,8 @@ def grads(model) -> dict[str, torch.Tensor]:
 def main() -> int:
     from transformers import AutoTokenizer
 
-    from scalarlm.training.grpo import encode_rl_rows, parse_rl_rows, rl_micro_batches, token_weights, with_gradient
+    from scalarlm.training.grpo import (encode_rl_rows, parse_rl_rows, prompt_units, rl_micro_batches,
+                                        shared_prompt_tokens, token_weights, with_gradient)
     from scalarlm.training.launch_env import launch_env_from
     from scalarlm.training.losses import token_losses
     from scalarlm.training.parallel import init_parallel, shutdown_parallel
@@ -114,22 +119,30 @@ def main() -> int:
 
     init_parallel(launch_env_from(os.environ), 1, seed=0)
     try:
-        model_dir = Path(sys.argv[1])
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        model, ref_model = load_model(model_dir), load_model(model_dir, noise=0.05).eval()
-        model.train()
         result = {}
-        # (loss, KL coefficient): with KL every row is computed; without, rows with advantage 0 are left out
-        for case, loss_type, kl_coef in (("grpo", "grpo", KL_COEF), ("dr_grpo", "dr_grpo", KL_COEF),
-                                         ("grpo_no_kl", "grpo", 0.0)):  # fmt: skip
+        # (name, model, loss, KL coefficient, shared prompts): with KL every row is computed; without, rows with
+        # advantage 0 are left out
+        first = Path(sys.argv[1])
+        cases = [("grpo", first, "grpo", KL_COEF, True), ("dr_grpo", first, "dr_grpo", KL_COEF, True),
+                 ("grpo_no_kl", first, "grpo", 0.0, True), ("grpo_unshared", first, "grpo", KL_COEF, False)]
+        cases += [(f"grpo:{Path(d).name}", Path(d), "grpo", KL_COEF, True) for d in sys.argv[2:]]
+        loaded: Path | None = None
+        for case, model_dir, loss_type, kl_coef, share in cases:
+            if model_dir != loaded:
+                tokenizer = AutoTokenizer.from_pretrained(model_dir)
+                pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+                model, ref_model = load_model(model_dir), load_model(model_dir, noise=0.05).eval()
+                model.train()
+                loaded = model_dir
             docs, _ = encode_rl_rows(tokenizer, parse_rl_rows(rows(tokenizer)), loss_type, MAX_LEN)
             weights = token_weights(docs, loss_type)
             computed, computed_weights, skipped_rows, skipped_tokens = docs, weights, 0, 0
             if kl_coef == 0:  # as `rl_step.rl_batch` does then
                 computed, computed_weights, skipped_rows, skipped_tokens = with_gradient(docs, weights)
             # Padding-free: the trainer's own micro-batches (two blocks each, so several) and loss function.
-            micro = rl_micro_batches(computed, computed_weights, MAX_LEN, 2, pad_id)
+            micro = rl_micro_batches(computed, computed_weights, MAX_LEN, 2, pad_id, share=share)
+            plain = [d.doc for d in computed]
+            shared = shared_prompt_tokens(plain, prompt_units(plain, MAX_LEN)) if share else 0
             trainer = SimpleNamespace(args=SimpleNamespace(kl_coef=kl_coef, clip_eps=CLIP, num_iterations=1),
                                       par=SimpleNamespace(device=torch.device("cpu")), lora=False, ref_model=ref_model,
                                       ddp=model, routing=None)  # fmt: skip
@@ -159,7 +172,7 @@ def main() -> int:
                 "grad_norm": float(torch.stack([g.norm() for g in padded_grads.values()]).norm()),
                 "tokens_free": sum(int(m.batch.tokens.numel()) for m in micro), "tokens_padded": padded_tokens,
                 "micro_batches": len(micro), "documents": len(docs),
-                "doc_tokens": sum(len(d.doc.tokens) for d in computed),
+                "doc_tokens": sum(len(d.doc.tokens) for d in computed), "shared_tokens": shared,
                 "head_rows_free": sum(head_rows[: len(micro)]),  # the policy's forwards (the KL reference's follow)
                 "lengths": sorted({len(d.doc.tokens) for d in docs}),
             }  # fmt: skip

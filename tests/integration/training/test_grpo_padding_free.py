@@ -1,7 +1,8 @@
 """Padding-free GRPO is the padded computation without the padding: on a fixed batch of scored rows of different
 lengths, the trainer's packed micro-batches and GRPO loss give the padded layout's loss and gradients (per parameter,
-fp32) while computing on about half the tokens, and running the output layer on the completion tokens alone. The
-check runs in its own process (megatron's parallel state)."""
+fp32) while computing on about a third of the tokens: no padding, each group's prompt once (shared prefixes), and the
+output layer on the completion tokens alone. Shared prompts are checked again on the families whose attention differs
+(sliding windows, soft-capping, a second RoPE base). The check runs in its own process (megatron's parallel state)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,17 @@ LOSS_REL = 1e-6
 GRAD_REL = 1e-5
 
 
+# Attention that differs from the tiny Llama's: Gemma 2 (soft-capped, alternating windows), Qwen3 with a window of 8
+# on its upper layer, Gemma 3 (windows and a second RoPE base on the sliding layers).
+FAMILIES = ("gemma2", "qwen3-sliding", "gemma3")
+
+
 @pytest.fixture(scope="module")
-def parity(tiny_model_dir: Path) -> dict:
+def parity(tiny_model_dir: Path, family_models: dict[str, Path]) -> dict:
     script = Path(__file__).with_name("grpo_parity_check.py")
-    proc = subprocess.run([sys.executable, str(script), str(tiny_model_dir)], env=mpi_env(), capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    models = [str(tiny_model_dir)] + [str(family_models[name]) for name in FAMILIES]
+    proc = subprocess.run([sys.executable, str(script), *models], env=mpi_env(), capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     return json.loads(line[len("RESULT ") :])
@@ -37,10 +44,27 @@ def test_padding_free_grpo_gives_the_padded_loss_and_gradients(parity: dict, los
 
 
 def test_padding_free_grpo_computes_no_padding(parity: dict) -> None:
-    r = parity["grpo"]
-    assert r["tokens_free"] == r["doc_tokens"] < r["tokens_padded"], r  # every computed token is a document's
+    r, unshared = parity["grpo"], parity["grpo_unshared"]
+    assert unshared["tokens_free"] == unshared["doc_tokens"] < r["tokens_padded"], r  # every token is a document's
+    # ... each group's prompt once: every row's tokens but the prompts' repeats (all four groups share theirs)
+    assert r["shared_tokens"] > 0 and r["tokens_free"] == r["doc_tokens"] - r["shared_tokens"], r
     # ... and only the completion tokens' positions go through the output layer (a prompt's logits are unused)
-    assert r["head_rows_free"] == r["loss_tokens"] < r["doc_tokens"], r
+    assert r["head_rows_free"] == r["loss_tokens"] < r["tokens_free"], r
+
+
+def test_without_shared_prompts_the_loss_and_gradients_are_the_same(parity: dict) -> None:
+    r = parity["grpo_unshared"]
+    assert r["shared_tokens"] == 0 and r["loss_tokens"] == parity["grpo"]["loss_tokens"], r
+    assert r["loss_free"] == pytest.approx(r["loss_padded"], rel=LOSS_REL), r
+    assert r["grad_rel_max"] <= GRAD_REL, r
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_shared_prompts_give_the_padded_loss_and_gradients_on_other_attention(parity: dict, family: str) -> None:
+    r = parity[f"grpo:{family}"]
+    assert r["shared_tokens"] > 0 and r["clipped_tokens"] > 0 and r["grad_norm"] > 0, r
+    assert r["loss_free"] == pytest.approx(r["loss_padded"], rel=LOSS_REL), r
+    assert r["grad_rel_max"] <= GRAD_REL, r
 
 
 def test_rows_with_advantage_0_are_not_computed_and_change_nothing(parity: dict) -> None:
@@ -52,4 +76,4 @@ def test_rows_with_advantage_0_are_not_computed_and_change_nothing(parity: dict)
     assert r["grad_rel_max"] <= GRAD_REL and r["grad_norm"] > 0, r
     assert (r["loss_tokens"], r["clipped_tokens"]) == (r["loss_tokens_padded"], r["clipped_tokens_padded"]), r
     assert r["clipped_tokens"] > 0, r  # off-policy rows clip, so the clipped count is a real comparison
-    assert r["tokens_free"] == r["doc_tokens"] < with_kl["doc_tokens"], (r, with_kl)
+    assert r["tokens_free"] == r["doc_tokens"] - r["shared_tokens"] and r["doc_tokens"] < with_kl["doc_tokens"], r

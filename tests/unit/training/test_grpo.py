@@ -150,7 +150,7 @@ def test_rows_line_up_with_tokens(tiny_model_dir: Path) -> None:
         assert stats["logprobs_mismatched_rows"] == 1 and stats["groups"] == 2
         assert docs[0].doc.tokens[-1] == tok.eos_token_id and sum(docs[0].doc.targets) == n + 1
         weights = token_weights(docs, loss)
-        (mb,) = rl_micro_batches(docs, weights, 64, 8, pad_id=0)  # padding-free: one [1, T] row
+        (mb,) = rl_micro_batches(docs, weights, 64, 8, pad_id=0, share=False)  # padding-free: one [1, T] row
         assert mb.batch.tokens.shape == (1, sum(len(d.doc.tokens) for d in docs)) and mb.batch.attention_mask is None
         assert torch.equal(mb.has_old.bool(), (mb.old_logprobs == -0.5))
         assert mb.has_old.sum().item() == n + 1
@@ -159,6 +159,45 @@ def test_rows_line_up_with_tokens(tiny_model_dir: Path) -> None:
             assert mb.weights.sum().item() == pytest.approx(1.0)
         start, end = mb.batch.doc_bounds[2:4]
         assert mb.advantages[0, start:end].abs().sum().item() == 0.0  # a singleton group has no advantage
+
+
+def test_rows_of_one_prompt_pack_as_one_shared_prefix_document(tiny_model_dir: Path) -> None:
+    """The rows of a prompt pack as its tokens but the last once, then each row from the prompt's last token on (it
+    predicts the completion's first), each part continuing the prefix: its positions go on from the prefix's length.
+    Every completion token keeps its label, advantage, sampling logprob and weight; a group too long for `max_len`
+    packs as several shared-prefix documents; a lone prompt is an ordinary document."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    texts = [" four", " it is 4", " 5, I think", " 4!"]
+    raw = [{"prompt": "What is 2+2?", "completion": t, "reward": float(i), "logprobs": [-0.1 * (i + 1)] * 9}
+           for i, t in enumerate(texts)] + [{"prompt": "3+3=", "completion": " 6", "reward": 1.0}]  # fmt: skip
+    raw = [dict(r, completion_token_ids=tok(r["completion"], add_special_tokens=False)["input_ids"]) for r in raw]
+    for r in raw[:4]:
+        r["logprobs"] = r["logprobs"][: len(r["completion_token_ids"])]
+    docs, _ = encode_rl_rows(tok, parse_rl_rows(raw), "grpo", max_len=64)
+    weights = token_weights(docs, "grpo")
+    cut = len(tok("What is 2+2?")["input_ids"]) - 1
+    (plain,) = rl_micro_batches(docs, weights, 64, 8, pad_id=0, share=False)
+    (mb,) = rl_micro_batches(docs, weights, 64, 8, pad_id=0)
+    expected = list(docs[0].doc.tokens[:cut]) + [t for d in docs[:4] for t in d.doc.tokens[cut:]] + list(docs[4].doc.tokens)
+    assert mb.batch.tokens[0].tolist() == expected
+    assert mb.batch.doc_continues == (-1, 0, 0, 0, 0, -1)
+    bounds, positions = mb.batch.doc_bounds, mb.batch.position_ids[0].tolist()
+    assert positions[: cut] == list(range(cut))
+    for part, doc in zip(range(1, 5), docs):
+        assert positions[bounds[part] : bounds[part + 1]] == list(range(cut, len(doc.doc.tokens)))
+    assert positions[bounds[5] :] == list(range(len(docs[4].doc.tokens)))
+    for name in ("advantages", "old_logprobs", "has_old", "weights"):  # each completion token's, in order
+        assert torch.equal(getattr(mb, name)[mb.batch.loss_mask > 0], getattr(plain, name)[plain.batch.loss_mask > 0])
+    assert torch.equal(mb.batch.labels[mb.batch.loss_mask > 0], plain.batch.labels[plain.batch.loss_mask > 0])
+    assert mb.batch.tokens.shape[1] == plain.batch.tokens.shape[1] - 3 * cut  # the prompt once, not four times
+
+    parts = [len(d.doc.tokens) - cut for d in docs[:4]]
+    tight = cut + max(parts[0] + parts[1], parts[2] + parts[3])  # room for two of the group's rows per document
+    assert sum(parts[:3]) > tight - cut
+    (split,) = rl_micro_batches(docs, weights, tight, 8, pad_id=0)
+    assert split.batch.doc_continues == (-1, 0, 0, -1, 3, 3, -1)
 
 
 def test_bad_rows_are_rejected() -> None:
