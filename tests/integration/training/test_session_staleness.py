@@ -167,6 +167,12 @@ def test_reweight_trains_a_too_stale_batch_with_its_importance_ratio(tmp_path: P
         assert trained.metrics["clip_fraction"] > 0 and trained.metrics["logprobs_mismatched_rows"] == 0
         # group c, and group a's 0.5 row (its group's mean): advantage 0, not computed, every token counted
         assert trained.metrics["rows_skipped"] == 3 and trained.metrics["loss_tokens"] == 15
+        # the two computed rows of group a, and of group b, each compute their prompt (but its last token) once
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+        prompts = [len(tok(p)["input_ids"]) - 1 for p in ("2+2=", "5+1=")]
+        assert trained.metrics["prompt_tokens_shared"] == sum(prompts) > 0
     metrics = job.read_metrics()
     assert [(m["step"], m["staleness"], m["reweighted"]) for m in metrics] == [(1, 0, False), (2, 1, False),
                                                                                (3, 2, True)]  # fmt: skip
