@@ -16,6 +16,8 @@
   tokens). SFT jobs (`step_batch`), session SFT steps (`spread_batch`) and GRPO (`grpo.rl_micro_batches`) all pack
   with `pack`. `collate` (padded [B, L] rows and a [B, 1, L, L] mask) is the reference layout the parity checks
   compare against; both give the same loss and gradients.
+* A shared-prefix document (`Document.parts`; GRPO's rows with one prompt, `grpo.prompt_units`) packs as one: its
+  later parts continue its first (positions go on, attention sees the first part and the part itself).
 """
 
 from __future__ import annotations

@@ -235,6 +235,38 @@ def shared_prompt_tokens(docs: Sequence[Document], units: Sequence[Sequence[int]
     return sum((len(u) - 1) * (_prompt_length(docs[u[0]]) - 1) for u in units)
 
 
+def rank_documents(docs: Sequence[Document], dp_size: int, max_len: int, share: bool) -> list[list[int]]:
+    """Each DP rank's documents (indices, ascending; every rank computes the same split: all ranks hold every row).
+
+    Without `share`: every `dp_size`-th row. With it: whole prompt units (`prompt_units`), so a group's rows share
+    their prompt on one rank, not once per rank (at DP 8 a group of 8 rows dealt one to a rank would share nothing).
+    A unit costs its tokens with the prompt once; one larger than half a rank's share of the batch is halved (each
+    half computes the prompt again) until it is not, or is one row, and the units go largest first to the rank with
+    the fewest tokens so far, as the ranks wait for the slowest."""
+    if not share or dp_size == 1:
+        return [list(range(r, len(docs), dp_size)) for r in range(dp_size)]
+
+    def cost(unit: list[int]) -> int:
+        return sum(len(docs[i].tokens) for i in unit) - shared_prompt_tokens(docs, [unit])
+
+    units = prompt_units(docs, max_len)
+    half_share = sum(cost(u) for u in units) / dp_size / 2
+    pieces: list[list[int]] = []
+    while units:
+        unit = units.pop()
+        if len(unit) > 1 and cost(unit) > half_share:
+            units += [unit[: len(unit) // 2], unit[len(unit) // 2 :]]
+        else:
+            pieces.append(unit)
+    ranks: list[list[int]] = [[] for _ in range(dp_size)]
+    loads = [0] * dp_size
+    for unit in sorted(pieces, key=lambda u: (-cost(u), u[0])):
+        r = min(range(dp_size), key=lambda k: (loads[k], k))
+        ranks[r] += unit
+        loads[r] += cost(unit)
+    return [sorted(r) for r in ranks]
+
+
 def unit_document(docs: Sequence[Document], members: Sequence[int]) -> Document:
     """One document, or several with the same prompt as one shared-prefix document: the prompt but its last token,
     then each document from the prompt's last token on (that token predicts the completion's first), as parts that

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from scalarlm.training.data import Document, MicroBatch, even_count, pack
+from scalarlm.training.data import MicroBatch, even_count, pack
 from scalarlm.training.grpo import (
     RLDoc,
     RLMicroBatch,
@@ -28,6 +28,7 @@ from scalarlm.training.grpo import (
     grpo_objective,
     parse_rl_rows,
     prompt_units,
+    rank_documents,
     rl_micro_batches,
     shared_prompt_tokens,
     token_weights,
@@ -74,11 +75,14 @@ def rl_batch(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> RLBatch:
         docs, weights, stats["rows_skipped"], skipped = with_gradient(docs, weights)
     # Rows with the same prompt compute it once (exact), unless a load-balancing loss counts every row's tokens.
     share = trainer.balance is None
-    stats["prompt_tokens_shared"] = _shared_tokens(docs, par.dp_size, trainer.max_len) if share else 0
+    split = rank_documents([d.doc for d in docs], par.dp_size, trainer.max_len, share)
+    ranks = [[docs[i] for i in r] for r in split]
+    stats["prompt_tokens_shared"] = sum(_shared_tokens(r, trainer.max_len) for r in ranks) if share else 0
     per_micro = max(args.batch_size, MIN_ROWS_PER_MICRO)
-    count = _micro_count(docs, par.dp_size, trainer.max_len, per_micro, share) if par.ep_size > 1 else None
-    micro = rl_micro_batches(docs[par.dp_rank :: par.dp_size], weights[par.dp_rank :: par.dp_size], trainer.max_len,
-                             per_micro, trainer.pad_id, count, share)  # fmt: skip
+    count = _micro_count(ranks, trainer.max_len, per_micro, share) if par.ep_size > 1 else None
+    mine = split[par.dp_rank]
+    micro = rl_micro_batches(ranks[par.dp_rank], [weights[i] for i in mine], trainer.max_len, per_micro,
+                             trainer.pad_id, count, share)  # fmt: skip
     fillers = sum(m.batch.filler for m in micro)
     if fillers:
         logger.info("expert parallelism: %d filler micro-batch(es) on DP rank %d (%d micro-batches on every rank)",
@@ -88,25 +92,20 @@ def rl_batch(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> RLBatch:
     return RLBatch(micro, stats, tokens, skipped_loss_tokens=skipped)
 
 
-def _rank_units(docs: list[RLDoc], dp_size: int, max_len: int, share: bool) -> list[list[Document]]:
-    """Each DP rank's share of `docs` as `rl_micro_batches` packs it (every rank computes the same: all ranks hold
-    every document)."""
-    shares = [[d.doc for d in docs[r::dp_size]] for r in range(dp_size)]
-    if not share:
-        return shares
-    return [[unit_document(s, u) for u in prompt_units(s, max_len)] for s in shares]
+def _shared_tokens(docs: list[RLDoc], max_len: int) -> int:
+    """The prompt tokens one rank's `docs` compute once instead of once per row (`grpo.prompt_units`)."""
+    plain = [d.doc for d in docs]
+    return shared_prompt_tokens(plain, prompt_units(plain, max_len))
 
 
-def _shared_tokens(docs: list[RLDoc], dp_size: int, max_len: int) -> int:
-    """The prompt tokens every rank together computes once instead of once per row (`grpo.prompt_units`)."""
-    shares = [[d.doc for d in docs[r::dp_size]] for r in range(dp_size)]
-    return sum(shared_prompt_tokens(s, prompt_units(s, max_len)) for s in shares)
-
-
-def _micro_count(docs: list[RLDoc], dp_size: int, max_len: int, per_micro: int, share: bool) -> int:
-    """`data.even_count` over the blocks each DP rank's share of `docs` packs into."""
-    units = _rank_units(docs, dp_size, max_len, share)
-    return even_count([len(pack(u, range(len(u)), max_len, packing=True)) for u in units], per_micro)
+def _micro_count(ranks: list[list[RLDoc]], max_len: int, per_micro: int, share: bool) -> int:
+    """`data.even_count` over the blocks each DP rank's documents pack into, as `rl_micro_batches` packs them."""
+    blocks = []
+    for docs in ranks:
+        plain = [d.doc for d in docs]
+        units = [unit_document(plain, u) for u in prompt_units(plain, max_len)] if share else plain
+        blocks.append(len(pack(units, range(len(units)), max_len, packing=True)))
+    return even_count(blocks, per_micro)
 
 
 def _reference_logp(trainer: "Trainer", batch: MicroBatch) -> Tensor:

@@ -17,7 +17,10 @@ from scalarlm.training.grpo import (
     encode_rl_rows,
     grpo_objective,
     parse_rl_rows,
+    prompt_units,
+    rank_documents,
     rl_micro_batches,
+    shared_prompt_tokens,
     token_weights,
 )
 
@@ -198,6 +201,38 @@ def test_rows_of_one_prompt_pack_as_one_shared_prefix_document(tiny_model_dir: P
     assert sum(parts[:3]) > tight - cut
     (split,) = rl_micro_batches(docs, weights, tight, 8, pad_id=0)
     assert split.batch.doc_continues == (-1, 0, 0, -1, 3, 3, -1)
+
+
+def _computed_tokens(docs: list, rows: list[int]) -> int:
+    mine = [docs[i] for i in rows]
+    return sum(len(d.tokens) for d in mine) - shared_prompt_tokens(mine, prompt_units(mine, 4096))
+
+
+def test_dp_ranks_take_whole_prompt_groups_balanced_by_the_tokens_they_compute() -> None:
+    """Each DP rank gets whole groups where that keeps the ranks even, so a group shares its prompt once; a group
+    bigger than half a rank's share is halved. At DP 8 with 4 groups of 8 rows, dealing rows one to a rank would
+    share nothing: every rank still gets rows, and the slowest rank computes fewer tokens than that."""
+    from scalarlm.training.data import Document
+
+    def doc(prompt: int, length: int) -> Document:
+        tokens = tuple([1] + [100 + prompt] * 29 + [7] * length)  # a 30-token prompt
+        return Document(tokens, (False,) * 30 + (True,) * length)
+
+    docs = [doc(g, 4 + 3 * r) for g in range(4) for r in range(8)]  # groups of equal cost
+    two = rank_documents(docs, 2, 4096, share=True)
+    assert sorted(i for r in two for i in r) == list(range(32))
+    assert all(i // 8 * 8 + k in r for r in two for i in r for k in range(8))  # whole groups
+    assert _computed_tokens(docs, two[0]) == _computed_tokens(docs, two[1])
+    for dp in (4, 8):
+        split = rank_documents(docs, dp, 4096, share=True)
+        dealt = rank_documents(docs, dp, 4096, share=False)
+        assert dealt == [list(range(r, 32, dp)) for r in range(dp)]
+        assert sorted(i for r in split for i in r) == list(range(32)) and all(split)
+        assert max(_computed_tokens(docs, r) for r in split) < max(_computed_tokens(docs, r) for r in dealt)
+    uneven = [doc(0, 200)] * 8 + [doc(g, 5) for g in range(1, 4) for _ in range(8)]  # one group 10x the others
+    split = rank_documents(uneven, 2, 4096, share=True)
+    loads = [_computed_tokens(uneven, r) for r in split]
+    assert max(loads) <= 1.25 * sum(loads) / 2, loads  # the big group was halved to even the ranks out
 
 
 def test_bad_rows_are_rejected() -> None:
