@@ -23,7 +23,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -291,6 +291,28 @@ def collate_packed(blocks: Sequence[Block], pad_id: int) -> MicroBatch:
     shared = tuple(continues) if any(c >= 0 for c in continues) else None
     return MicroBatch(row(tokens, torch.long), row(labels, torch.long), row(mask, torch.float32),
                       row(positions, torch.long), None, tuple(bounds), doc_continues=shared)  # fmt: skip
+
+
+def balance_units(units: list[list[int]], cost: Callable[[list[int]], int], dp_size: int) -> list[list[int]]:
+    """Units of work (lists of row indices that run together, e.g. a shared prefix's rows) dealt to `dp_size` ranks:
+    each rank's rows, ascending. A unit costing more than half a rank's share is halved (each half its own unit) until
+    it does not, or is one row; then the units go largest first to the rank with the least cost so far, as the ranks
+    wait for the slowest. Deterministic: every rank computes the same split."""
+    half_share = sum(cost(u) for u in units) / dp_size / 2
+    todo, pieces = list(units), []
+    while todo:
+        unit = todo.pop()
+        if len(unit) > 1 and cost(unit) > half_share:
+            todo += [unit[: len(unit) // 2], unit[len(unit) // 2 :]]
+        else:
+            pieces.append(unit)
+    ranks: list[list[int]] = [[] for _ in range(dp_size)]
+    loads = [0] * dp_size
+    for unit in sorted(pieces, key=lambda u: (-cost(u), u[0])):
+        r = min(range(dp_size), key=lambda k: (loads[k], k))
+        ranks[r] += unit
+        loads[r] += cost(unit)
+    return [sorted(r) for r in ranks]
 
 
 def filler_micro(pad_id: int) -> MicroBatch:

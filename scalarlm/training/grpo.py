@@ -25,7 +25,7 @@ from torch import Tensor
 from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.protocol.training import RLRow
 from scalarlm.training.chat import prompt_ids
-from scalarlm.training.data import Document, MicroBatch, chunks, collate_packed, filler_micro, pack
+from scalarlm.training.data import Document, MicroBatch, balance_units, chunks, collate_packed, filler_micro, pack
 from scalarlm.training.rows import read_rl_objects, rl_row_from_object
 
 ADV_EPS = 1e-4
@@ -242,29 +242,14 @@ def rank_documents(docs: Sequence[Document], dp_size: int, max_len: int, share: 
     their prompt on one rank, not once per rank (at DP 8 a group of 8 rows dealt one to a rank would share nothing).
     A unit costs its tokens with the prompt once; one larger than half a rank's share of the batch is halved (each
     half computes the prompt again) until it is not, or is one row, and the units go largest first to the rank with
-    the fewest tokens so far, as the ranks wait for the slowest."""
+    the fewest tokens so far, as the ranks wait for the slowest (`data.balance_units`)."""
     if not share or dp_size == 1:
         return [list(range(r, len(docs), dp_size)) for r in range(dp_size)]
 
     def cost(unit: list[int]) -> int:
         return sum(len(docs[i].tokens) for i in unit) - shared_prompt_tokens(docs, [unit])
 
-    units = prompt_units(docs, max_len)
-    half_share = sum(cost(u) for u in units) / dp_size / 2
-    pieces: list[list[int]] = []
-    while units:
-        unit = units.pop()
-        if len(unit) > 1 and cost(unit) > half_share:
-            units += [unit[: len(unit) // 2], unit[len(unit) // 2 :]]
-        else:
-            pieces.append(unit)
-    ranks: list[list[int]] = [[] for _ in range(dp_size)]
-    loads = [0] * dp_size
-    for unit in sorted(pieces, key=lambda u: (-cost(u), u[0])):
-        r = min(range(dp_size), key=lambda k: (loads[k], k))
-        ranks[r] += unit
-        loads[r] += cost(unit)
-    return [sorted(r) for r in ranks]
+    return balance_units(prompt_units(docs, max_len), cost, dp_size)
 
 
 def unit_document(docs: Sequence[Document], members: Sequence[int]) -> Document:

@@ -27,13 +27,16 @@ from scalarlm.checkpoint.staging import servable_step
 from scalarlm.checkpoint.tinker import MANIFEST, TinkerRunDir
 from scalarlm.protocol.errors import Conflict, InvalidRequest, NotFound
 from scalarlm.training import lora
-from scalarlm.training.data import MicroBatch
+from scalarlm.training.data import MicroBatch, balance_units
 from scalarlm.training.losses import token_losses
 from scalarlm.training.optim import build_optimizer
 from scalarlm.training.step import start_accumulated_sync
 
 if TYPE_CHECKING:
     from scalarlm.training.loop import Trainer
+
+# Tokens per forward pass of forward_backward: this many blocks of `max_seq_len` (as a GRPO micro-batch).
+MICRO_BLOCKS = 8
 
 OPS = ("forward", "forward_backward", "optim_step", "save_weights_for_sampler", "save_state", "load_state")
 
@@ -52,8 +55,8 @@ def is_op_request(rows: list[dict[str, Any]]) -> bool:
     return len(rows) == 1 and "op" in rows[0]
 
 
-def _datum_batch(tokens: list[int], targets: list[int], vocab: int, index: int) -> MicroBatch:
-    """One datum as a padding-free [1, N] micro-batch whose labels are the target tokens."""
+def _check_datum(tokens: list[int], targets: list[int], vocab: int, index: int) -> None:
+    """InvalidRequest unless the datum's inputs and targets are equally long, not empty, in the vocabulary."""
     n = len(tokens)
     if n == 0 or len(targets) != n:
         raise InvalidRequest(f"datum {index}: target_tokens has {len(targets)} entries for {n} input tokens "
@@ -62,8 +65,91 @@ def _datum_batch(tokens: list[int], targets: list[int], vocab: int, index: int) 
     if bad:
         raise InvalidRequest(f"datum {index}: token id {bad[0]} is outside the model's vocabulary [0, {vocab})",
                              param="data")  # fmt: skip
+
+
+def _common(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def prefix_length(pairs: list[list[tuple[int, int]]], members: list[int]) -> int:
+    """The positions `members` share: the longest common prefix of their (input, target) pairs, leaving each datum at
+    least one position of its own; 0 for one datum."""
+    if len(members) < 2:
+        return 0
+    first = pairs[members[0]]
+    return min(min(_common(first, pairs[j]), len(pairs[j]) - 1) for j in members)
+
+
+def datum_units(pairs: list[list[tuple[int, int]]], budget: int) -> list[list[int]]:
+    """Datums that run as one shared-prefix document (`data.Document.parts`): those that start with the same
+    (input, target) pairs, e.g. the samples of one prompt, as long as adding one does not save fewer positions and the
+    unit stays within `budget` tokens; each unit's members ascending. Units in order of their first datum."""
+    units: list[list[int]] = []
+    for i in sorted(range(len(pairs)), key=lambda k: (pairs[k], k)):
+        if units:
+            unit = units[-1]
+            shared, grown = prefix_length(pairs, unit), prefix_length(pairs, unit + [i])
+            size = sum(len(pairs[j]) for j in unit) + len(pairs[i]) - len(unit) * grown
+            if grown >= 1 and len(unit) * grown >= (len(unit) - 1) * shared and size <= budget:
+                unit.append(i)
+                continue
+        units.append([i])
+    return sorted((sorted(u) for u in units), key=lambda u: u[0])
+
+
+def _packed_batch(pairs: list[list[tuple[int, int]]],
+                  units: list[list[int]]) -> tuple[MicroBatch, dict[int, torch.Tensor]]:  # fmt: skip
+    """`units` end to end in one padding-free [1, T] micro-batch whose labels are the target tokens; a unit of several
+    datums is its shared positions once, then each datum's own positions as a part continuing them. Per datum, the
+    positions of the row that are its own N positions, in order."""
+    tokens: list[int] = []
+    labels: list[int] = []
+    positions: list[int] = []
+    bounds: list[int] = []
+    continues: list[int] = []
+    where: dict[int, torch.Tensor] = {}
+    for unit in units:
+        shared, base, head = prefix_length(pairs, unit), len(tokens), len(bounds)
+        if shared:
+            bounds.append(base)
+            continues.append(-1)
+            tokens += [x for x, _ in pairs[unit[0]][:shared]]
+            labels += [y for _, y in pairs[unit[0]][:shared]]
+            positions += range(shared)
+        for i in unit:
+            own = pairs[i][shared:]
+            start = len(tokens)
+            bounds.append(start)
+            continues.append(head if shared else -1)
+            tokens += [x for x, _ in own]
+            labels += [y for _, y in own]
+            positions += range(shared, shared + len(own))
+            where[i] = torch.cat([torch.arange(base, base + shared), torch.arange(start, start + len(own))])
+    bounds.append(len(tokens))
     row = lambda xs: torch.tensor(xs, dtype=torch.long).unsqueeze(0)  # noqa: E731
-    return MicroBatch(row(tokens), row(targets), torch.ones(1, n), row(list(range(n))), None, (0, n))
+    batch = MicroBatch(row(tokens), row(labels), torch.ones(1, len(tokens)), row(positions), None, tuple(bounds),
+                       doc_continues=tuple(continues) if any(c >= 0 for c in continues) else None)  # fmt: skip
+    return batch, where
+
+
+def _micro_units(units: list[list[int]], pairs: list[list[tuple[int, int]]], budget: int) -> list[list[list[int]]]:
+    """`units` in order, grouped into micro-batches of at most `budget` tokens (a larger unit alone)."""
+    out: list[list[list[int]]] = []
+    size = 0
+    for unit in units:
+        cost = sum(len(pairs[i]) for i in unit) - (len(unit) - 1) * prefix_length(pairs, unit)
+        if out and size + cost <= budget:
+            out[-1].append(unit)
+            size += cost
+        else:
+            out.append([unit])
+            size = cost
+    return out
 
 
 def _input(datum: dict[str, Any], name: str, n: int, index: int, default: float | None = None) -> torch.Tensor:
@@ -121,9 +207,12 @@ def _loss(loss_fn: str, logp: torch.Tensor, inputs: dict[str, torch.Tensor], con
 def forward_backward(trainer: "Trainer", request: dict[str, Any], backward: bool) -> dict[str, Any]:
     """Run every datum; with `backward`, add the gradient of the summed loss to the accumulated gradients.
 
-    Under DP each rank runs datums rank, rank + dp, ... (grads are summed over DP ranks at optim_step, as the loss
-    is a sum) and the outputs are gathered back into request order; every rank checks every datum first, so a bad
-    one is refused by all of them alike."""
+    Datums run packed, up to MICRO_BLOCKS x `max_seq_len` tokens per forward pass (attention within each datum);
+    datums that start with the same (input, target) pairs (the samples of one prompt) compute those positions once
+    (`datum_units`, `data.Document.parts`): the same logprobs, losses and gradients as one datum at a time. Under DP
+    the ranks take whole units, balanced by tokens (`data.balance_units`; grads are summed over DP ranks at
+    optim_step, as the loss is a sum) and the outputs are gathered back into request order; every rank checks every
+    datum first, so a bad one is refused by all of them alike."""
     loss_fn = request.get("loss_fn", "cross_entropy")
     if loss_fn not in LOSS_INPUTS:
         raise InvalidRequest(f"unknown loss_fn {loss_fn!r}; supported: {', '.join(LOSS_INPUTS)}", param="loss_fn")
@@ -132,25 +221,39 @@ def forward_backward(trainer: "Trainer", request: dict[str, Any], backward: bool
         raise InvalidRequest("forward_backward needs at least one datum", param="data")
     config = {k: float(v) for k, v in (request.get("loss_fn_config") or {}).items()}
     vocab = trainer.arch.vocab_size
-    batches = [_datum_batch(d["tokens"], list(d.get("loss_fn_inputs", {}).get("target_tokens") or []), vocab, i)
-               for i, d in enumerate(data)]  # fmt: skip
+    pairs = []
+    for i, d in enumerate(data):
+        targets = list(d.get("loss_fn_inputs", {}).get("target_tokens") or [])
+        _check_datum(d["tokens"], targets, vocab, i)
+        pairs.append(list(zip(d["tokens"], targets)))
     inputs = [loss_inputs(loss_fn, datum, len(datum["tokens"]), i, config) for i, datum in enumerate(data)]
     start = time.perf_counter()
     par = trainer.par
     trainer.ddp.train()
+    budget = trainer.max_len * MICRO_BLOCKS
+    units = datum_units(pairs, budget)
+    cost = lambda u: sum(len(pairs[i]) for i in u) - (len(u) - 1) * prefix_length(pairs, u)  # noqa: E731
+    rows = balance_units(units, cost, par.dp_size)[par.dp_rank]
+    local = [[rows[k] for k in u] for u in datum_units([pairs[i] for i in rows], budget)]
     mine: list[tuple[int, float, dict[str, Any]]] = []
-    for i in range(par.dp_rank, len(data), par.dp_size):
-        batch = batches[i].to(par.device)
+    for group in _micro_units(local, pairs, budget):
+        batch, where = _packed_batch(pairs, group)
+        batch = batch.to(par.device)
         context = torch.enable_grad() if backward else torch.no_grad()
         # Gradients accumulate over any number of calls: the DP all-reduce waits for optim_step (no_sync here).
         with context, trainer.ddp.no_sync():
-            logp = -token_losses(trainer.ddp, batch).float()[0]
-            per_token = _loss(loss_fn, logp, inputs[i], config)
-            loss = per_token.sum()
+            logp_row = -token_losses(trainer.ddp, batch).float()[0]
+            summed = logp_row.new_zeros(())
+            for i, index in where.items():
+                logp = logp_row[index.to(logp_row.device)]
+                per_token = _loss(loss_fn, logp, inputs[i], config)
+                loss = per_token.sum()
+                summed = summed + loss
+                mine.append((i, float(loss.detach()), {"logprobs": logp.detach().cpu().tolist(),
+                                                       "elementwise_loss": per_token.detach().cpu().tolist()}))  # fmt: skip
             if backward:
-                loss.backward()
-        mine.append((i, float(loss.detach()), {"logprobs": logp.detach().cpu().tolist(),
-                                               "elementwise_loss": per_token.detach().cpu().tolist()}))  # fmt: skip
+                summed.backward()
+    mine.sort(key=lambda item: item[0])
     if par.dp_size > 1:
         gathered: list[Any] = [None] * par.dp_size
         dist.all_gather_object(gathered, mine, group=par.dp_group)

@@ -24,6 +24,7 @@ how many positions went through the padding-free side's output layer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -107,6 +108,63 @@ def grads(model) -> dict[str, torch.Tensor]:
     return out
 
 
+def tinker_datums(tokenizer) -> list[dict]:
+    """The rows above as Tinker datums (input = prompt + completion but the last token, targets = the next tokens),
+    with per-token advantages and sampling logprobs (0 on the prompt, as the Tinker cookbook sends them)."""
+    out = []
+    for i, row in enumerate(rows(tokenizer)):
+        prompt = tokenizer(row["prompt"])["input_ids"]
+        ids = prompt + (row.get("completion_token_ids") or tokenizer(row["completion"], add_special_tokens=False)["input_ids"])
+        n, p = len(ids) - 1, len(prompt) - 1
+        adv = [0.0] * p + [(-1.0) ** i * (0.3 + 0.1 * i)] * (n - p)
+        old = [0.0] * p + [-1.5 - 0.05 * (i + j) for j in range(n - p)]
+        out.append({"tokens": ids[:-1], "loss_fn_inputs": {"target_tokens": ids[1:], "advantages": adv, "logprobs": old,
+                                                           "weights": [0.0] * p + [1.0] * (n - p)}})  # fmt: skip
+    return out
+
+
+def tinker_cases(model, tokenizer) -> dict:
+    """Tinker's forward_backward (packed; datums of one prompt share it) against one datum at a time: logprobs,
+    losses and gradients, for cross_entropy and ppo."""
+    from scalarlm.training.data import MicroBatch
+    from scalarlm.training.losses import token_losses
+    from scalarlm.training.tinker_ops import _loss, datum_units, forward_backward, loss_inputs
+
+    data = tinker_datums(tokenizer)
+    model.no_sync = contextlib.nullcontext  # what forward_backward calls on the DDP wrapper (one rank: no sync)
+    pairs = [list(zip(d["tokens"], d["loss_fn_inputs"]["target_tokens"])) for d in data]
+    trainer = SimpleNamespace(ddp=model, par=SimpleNamespace(device=torch.device("cpu"), dp_rank=0, dp_size=1),
+                              arch=SimpleNamespace(vocab_size=len(tokenizer)), max_len=16)  # fmt: skip
+    out = {}
+    for loss_fn in ("cross_entropy", "ppo"):
+        calls = []
+        hook = model.register_forward_hook(lambda *a: calls.append(1))
+        packed = forward_backward(trainer, {"loss_fn": loss_fn, "data": data}, backward=True)
+        hook.remove()
+        packed_grads = grads(model)
+        ref_loss, ref_logp = 0.0, []
+        for i, d in enumerate(data):
+            n = len(d["tokens"])
+            row = lambda xs: torch.tensor(xs, dtype=torch.long).unsqueeze(0)  # noqa: E731
+            mb = MicroBatch(row(d["tokens"]), row(d["loss_fn_inputs"]["target_tokens"]), torch.ones(1, n),
+                            row(list(range(n))), None, (0, n))  # fmt: skip
+            logp = -token_losses(model, mb).float()[0]
+            loss = _loss(loss_fn, logp, loss_inputs(loss_fn, d, n, i, {}), {}).sum()
+            loss.backward()
+            ref_loss += float(loss.detach())
+            ref_logp.append(logp.detach())
+        ref_grads = grads(model)
+        rel = {n: float((packed_grads[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in ref_grads.items()}
+        out[f"tinker_{loss_fn}"] = {
+            "loss": packed["loss"], "loss_ref": ref_loss, "forward_passes": len(calls), "datums": len(data),
+            "logp_diff": max(float((torch.tensor(o["logprobs"]) - r).abs().max()) for o, r in zip(packed["outputs"], ref_logp)),
+            "grad_rel_max": max(rel.values()), "grad_norm": float(torch.stack([g.norm() for g in ref_grads.values()]).norm()),
+            "shared_units": sum(len(u) > 1 for u in datum_units(pairs, 16 * 8)),
+            "lengths_match": all(len(o["logprobs"]) == len(d["tokens"]) for o, d in zip(packed["outputs"], data)),
+        }  # fmt: skip
+    return out
+
+
 def main() -> int:
     from transformers import AutoTokenizer
 
@@ -176,6 +234,9 @@ def main() -> int:
                 "head_rows_free": sum(head_rows[: len(micro)]),  # the policy's forwards (the KL reference's follow)
                 "lengths": sorted({len(d.doc.tokens) for d in docs}),
             }  # fmt: skip
+        first_model = load_model(first)
+        first_model.train()
+        result.update(tinker_cases(first_model, AutoTokenizer.from_pretrained(first)))
         print("RESULT " + json.dumps(result), flush=True)
     finally:
         shutdown_parallel()

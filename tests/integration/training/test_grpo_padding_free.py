@@ -2,7 +2,9 @@
 lengths, the trainer's packed micro-batches and GRPO loss give the padded layout's loss and gradients (per parameter,
 fp32) while computing on about a third of the tokens: no padding, each group's prompt once (shared prefixes), and the
 output layer on the completion tokens alone. Shared prompts are checked again on the families whose attention differs
-(sliding windows, soft-capping, a second RoPE base). The check runs in its own process (megatron's parallel state)."""
+(sliding windows, soft-capping, a second RoPE base). Tinker's forward_backward packs its datums the same way: its
+logprobs, losses and gradients equal one datum at a time. The check runs in its own process (megatron's parallel
+state)."""
 
 from __future__ import annotations
 
@@ -77,3 +79,12 @@ def test_rows_with_advantage_0_are_not_computed_and_change_nothing(parity: dict)
     assert (r["loss_tokens"], r["clipped_tokens"]) == (r["loss_tokens_padded"], r["clipped_tokens_padded"]), r
     assert r["clipped_tokens"] > 0, r  # off-policy rows clip, so the clipped count is a real comparison
     assert r["tokens_free"] == r["doc_tokens"] - r["shared_tokens"] and r["doc_tokens"] < with_kl["doc_tokens"], r
+
+
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "ppo"])
+def test_tinker_forward_backward_packs_datums_and_shares_their_prompts_exactly(parity: dict, loss_fn: str) -> None:
+    r = parity[f"tinker_{loss_fn}"]
+    assert r["shared_units"] == 4 and r["lengths_match"], r  # every prompt's datums as one shared-prefix document
+    assert r["forward_passes"] < r["datums"] / 2, r  # packed: not one forward pass per datum
+    assert r["loss"] == pytest.approx(r["loss_ref"], rel=LOSS_REL), r
+    assert r["logp_diff"] <= 1e-5 and r["grad_rel_max"] <= GRAD_REL and r["grad_norm"] > 0, r
