@@ -30,13 +30,11 @@ from scalarlm.training import lora
 from scalarlm.training.data import MicroBatch, balance_units
 from scalarlm.training.losses import token_losses
 from scalarlm.training.optim import build_optimizer
+from scalarlm.training.rl_step import MIN_ROWS_PER_MICRO
 from scalarlm.training.step import start_accumulated_sync
 
 if TYPE_CHECKING:
     from scalarlm.training.loop import Trainer
-
-# Tokens per forward pass of forward_backward: this many blocks of `max_seq_len` (as a GRPO micro-batch).
-MICRO_BLOCKS = 8
 
 OPS = ("forward", "forward_backward", "optim_step", "save_weights_for_sampler", "save_state", "load_state")
 
@@ -207,12 +205,12 @@ def _loss(loss_fn: str, logp: torch.Tensor, inputs: dict[str, torch.Tensor], con
 def forward_backward(trainer: "Trainer", request: dict[str, Any], backward: bool) -> dict[str, Any]:
     """Run every datum; with `backward`, add the gradient of the summed loss to the accumulated gradients.
 
-    Datums run packed, up to MICRO_BLOCKS x `max_seq_len` tokens per forward pass (attention within each datum);
-    datums that start with the same (input, target) pairs (the samples of one prompt) compute those positions once
-    (`datum_units`, `data.Document.parts`): the same logprobs, losses and gradients as one datum at a time. Under DP
-    the ranks take whole units, balanced by tokens (`data.balance_units`; grads are summed over DP ranks at
-    optim_step, as the loss is a sum) and the outputs are gathered back into request order; every rank checks every
-    datum first, so a bad one is refused by all of them alike."""
+    Datums run packed, up to `rl_step.MIN_ROWS_PER_MICRO` x `max_seq_len` tokens per forward pass (attention within
+    each datum); datums that start with the same (input, target) pairs (the samples of one prompt) compute those
+    positions once (`datum_units`, `data.Document.parts`): the same logprobs, losses and gradients as one datum at a
+    time. Under DP the ranks take whole units, balanced by tokens (`data.balance_units`; grads are summed over DP
+    ranks at optim_step, as the loss is a sum) and the outputs are gathered back into request order; every rank
+    checks every datum first, so a bad one is refused by all of them alike."""
     loss_fn = request.get("loss_fn", "cross_entropy")
     if loss_fn not in LOSS_INPUTS:
         raise InvalidRequest(f"unknown loss_fn {loss_fn!r}; supported: {', '.join(LOSS_INPUTS)}", param="loss_fn")
@@ -230,7 +228,7 @@ def forward_backward(trainer: "Trainer", request: dict[str, Any], backward: bool
     start = time.perf_counter()
     par = trainer.par
     trainer.ddp.train()
-    budget = trainer.max_len * MICRO_BLOCKS
+    budget = trainer.max_len * MIN_ROWS_PER_MICRO  # tokens per forward, as a GRPO micro-batch's
     units = datum_units(pairs, budget)
     cost = lambda u: sum(len(pairs[i]) for i in u) - (len(u) - 1) * prefix_length(pairs, u)  # noqa: E731
     rows = balance_units(units, cost, par.dp_size)[par.dp_rank]
@@ -249,8 +247,9 @@ def forward_backward(trainer: "Trainer", request: dict[str, Any], backward: bool
                 per_token = _loss(loss_fn, logp, inputs[i], config)
                 loss = per_token.sum()
                 summed = summed + loss
-                mine.append((i, float(loss.detach()), {"logprobs": logp.detach().cpu().tolist(),
-                                                       "elementwise_loss": per_token.detach().cpu().tolist()}))  # fmt: skip
+                output = {"logprobs": logp.detach().cpu().tolist(),
+                          "elementwise_loss": per_token.detach().cpu().tolist()}
+                mine.append((i, float(loss.detach()), output))
             if backward:
                 summed.backward()
     mine.sort(key=lambda item: item[0])

@@ -114,7 +114,9 @@ def tinker_datums(tokenizer) -> list[dict]:
     out = []
     for i, row in enumerate(rows(tokenizer)):
         prompt = tokenizer(row["prompt"])["input_ids"]
-        ids = prompt + (row.get("completion_token_ids") or tokenizer(row["completion"], add_special_tokens=False)["input_ids"])
+        text_ids = tokenizer(row["completion"], add_special_tokens=False)["input_ids"]
+        completion = row.get("completion_token_ids") or text_ids
+        ids = prompt + completion
         n, p = len(ids) - 1, len(prompt) - 1
         adv = [0.0] * p + [(-1.0) ** i * (0.3 + 0.1 * i)] * (n - p)
         old = [0.0] * p + [-1.5 - 0.05 * (i + j) for j in range(n - p)]
@@ -157,8 +159,10 @@ def tinker_cases(model, tokenizer) -> dict:
         rel = {n: float((packed_grads[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in ref_grads.items()}
         out[f"tinker_{loss_fn}"] = {
             "loss": packed["loss"], "loss_ref": ref_loss, "forward_passes": len(calls), "datums": len(data),
-            "logp_diff": max(float((torch.tensor(o["logprobs"]) - r).abs().max()) for o, r in zip(packed["outputs"], ref_logp)),
-            "grad_rel_max": max(rel.values()), "grad_norm": float(torch.stack([g.norm() for g in ref_grads.values()]).norm()),
+            "logp_diff": max(float((torch.tensor(o["logprobs"]) - r).abs().max())
+                             for o, r in zip(packed["outputs"], ref_logp)),
+            "grad_rel_max": max(rel.values()),
+            "grad_norm": float(torch.stack([g.norm() for g in ref_grads.values()]).norm()),
             "shared_units": sum(len(u) > 1 for u in datum_units(pairs, 16 * 8)),
             "lengths_match": all(len(o["logprobs"]) == len(d["tokens"]) for o, d in zip(packed["outputs"], data)),
         }  # fmt: skip

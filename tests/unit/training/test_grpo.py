@@ -183,7 +183,7 @@ def test_rows_of_one_prompt_pack_as_one_shared_prefix_document(tiny_model_dir: P
     cut = len(tok("What is 2+2?")["input_ids"]) - 1
     (plain,) = rl_micro_batches(docs, weights, 64, 8, pad_id=0, share=False)
     (mb,) = rl_micro_batches(docs, weights, 64, 8, pad_id=0)
-    expected = list(docs[0].doc.tokens[:cut]) + [t for d in docs[:4] for t in d.doc.tokens[cut:]] + list(docs[4].doc.tokens)
+    expected = [*docs[0].doc.tokens[:cut], *(t for d in docs[:4] for t in d.doc.tokens[cut:]), *docs[4].doc.tokens]
     assert mb.batch.tokens[0].tolist() == expected
     assert mb.batch.doc_continues == (-1, 0, 0, 0, 0, -1)
     bounds, positions = mb.batch.doc_bounds, mb.batch.position_ids[0].tolist()
