@@ -39,7 +39,7 @@ from scalarlm.training.rows import Row
 class Document:
     """One row as tokens; `targets[t]` says token t is a completion token (predicted by the loss).
 
-    `parts`: a shared-prefix document (GRPO's rows that share a prompt, `grpo.share_prompts`) names where its parts
+    `parts`: a shared-prefix document (GRPO's rows that share a prompt, `grpo.prompt_units`) names where its parts
     after the first start. Each later part continues the first one alone: its positions follow the first part's, it
     attends to all of it and to itself (causally), never to a sibling part. () = one ordinary document."""
 

@@ -208,9 +208,10 @@ def forward_backward(trainer: "Trainer", request: dict[str, Any], backward: bool
     Datums run packed, up to `rl_step.MIN_ROWS_PER_MICRO` x `max_seq_len` tokens per forward pass (attention within
     each datum); datums that start with the same (input, target) pairs (the samples of one prompt) compute those
     positions once (`datum_units`, `data.Document.parts`): the same logprobs, losses and gradients as one datum at a
-    time. Under DP the ranks take whole units, balanced by tokens (`data.balance_units`; grads are summed over DP
-    ranks at optim_step, as the loss is a sum) and the outputs are gathered back into request order; every rank
-    checks every datum first, so a bad one is refused by all of them alike."""
+    time (a mixture-of-experts model still runs one datum per forward). Under DP the ranks take whole units,
+    balanced by tokens (`data.balance_units`; grads are summed over DP ranks at optim_step, as the loss is a sum)
+    and the outputs are gathered back into request order; every rank checks every datum first, so a bad one is
+    refused by all of them alike."""
     loss_fn = request.get("loss_fn", "cross_entropy")
     if loss_fn not in LOSS_INPUTS:
         raise InvalidRequest(f"unknown loss_fn {loss_fn!r}; supported: {', '.join(LOSS_INPUTS)}", param="loss_fn")
@@ -228,13 +229,20 @@ def forward_backward(trainer: "Trainer", request: dict[str, Any], backward: bool
     start = time.perf_counter()
     par = trainer.par
     trainer.ddp.train()
-    budget = trainer.max_len * MIN_ROWS_PER_MICRO  # tokens per forward, as a GRPO micro-batch's
-    units = datum_units(pairs, budget)
+    # Tokens per forward, as a GRPO micro-batch's. A mixture-of-experts model runs a datum per forward, as before: its
+    # load-balancing loss depends on which tokens a forward holds (and would count a shared prompt once).
+    packed = trainer.balance is None
+    budget = trainer.max_len * MIN_ROWS_PER_MICRO if packed else 0
+
+    def units_of(rows: list[int]) -> list[list[int]]:
+        if not packed:
+            return [[i] for i in rows]
+        return [[rows[k] for k in u] for u in datum_units([pairs[i] for i in rows], budget)]
+
     cost = lambda u: sum(len(pairs[i]) for i in u) - (len(u) - 1) * prefix_length(pairs, u)  # noqa: E731
-    rows = balance_units(units, cost, par.dp_size)[par.dp_rank]
-    local = [[rows[k] for k in u] for u in datum_units([pairs[i] for i in rows], budget)]
+    rows = balance_units(units_of(list(range(len(data)))), cost, par.dp_size)[par.dp_rank]
     mine: list[tuple[int, float, dict[str, Any]]] = []
-    for group in _micro_units(local, pairs, budget):
+    for group in _micro_units(units_of(rows), pairs, budget):
         batch, where = _packed_batch(pairs, group)
         batch = batch.to(par.device)
         context = torch.enable_grad() if backward else torch.no_grad()

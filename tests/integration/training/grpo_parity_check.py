@@ -136,7 +136,7 @@ def tinker_cases(model, tokenizer) -> dict:
     model.no_sync = contextlib.nullcontext  # what forward_backward calls on the DDP wrapper (one rank: no sync)
     pairs = [list(zip(d["tokens"], d["loss_fn_inputs"]["target_tokens"])) for d in data]
     trainer = SimpleNamespace(ddp=model, par=SimpleNamespace(device=torch.device("cpu"), dp_rank=0, dp_size=1),
-                              arch=SimpleNamespace(vocab_size=len(tokenizer)), max_len=16)  # fmt: skip
+                              arch=SimpleNamespace(vocab_size=len(tokenizer)), max_len=16, balance=None)  # fmt: skip
     out = {}
     for loss_fn in ("cross_entropy", "ppo"):
         calls = []
