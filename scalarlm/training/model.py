@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
 
 from scalarlm.training.families import ModelArch, check_tensor_parallel, read_arch
 from scalarlm.training.families.checkpoint import read_config, tensor_names
@@ -186,6 +187,11 @@ def _sdpa_attention_class(arch: ModelArch):
 
             def causal(q, k, v, allowed=None, before=0):
                 # `before`: k and v start with that many keys of a shared prefix, all of them before every query
+                if before and window is None and arch.attn_logit_softcap is None and allowed is None:
+                    # causal from the bottom right, as a bias SDPA's fused kernels take (an explicit mask rules out
+                    # the flash kernel on CUDA)
+                    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
+                                                          **opts)  # fmt: skip
                 if window is not None or before:
                     local = _window_mask(q.shape[2], window or before + q.shape[2], q.device, before)
                     allowed = local if allowed is None else allowed & local
