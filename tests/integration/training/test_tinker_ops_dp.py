@@ -1,7 +1,7 @@
 """Tinker's primitives on a session trainer under DP: two ranks (mpirun, gloo) answer exactly as one rank does.
 
 The same requests go to a one-rank and a two-rank session trainer (written as the control plane writes them):
-forward_backward with cross_entropy on three datums (an uneven split: rank 0 runs two, rank 1 one), then with
+forward_backward with cross_entropy on three datums (an uneven split: rank 1 runs two, rank 0 one), then with
 importance_sampling on the same datums, optim_step, and a forward after it. The losses, the per-token logprobs (in
 request order), the grad norm and the logprobs after the step agree, so the two ranks together computed the one
 rank's gradient (not twice it) and took the same step. A datum with a bad token id is refused by both ranks alike
