@@ -11,6 +11,7 @@ SUITES = [
     ["bench.training", "--family", "qwen3"],  # sft_vs_hf_trainer_qwen3, beside the Llama figure
     ["bench.grpo"],
     ["bench.grpo_learn"],  # 30 steps of a learnable task, sync and async, both reward curves in one PNG
+    ["bench.tinker_step"],  # Tinker forward_backward, packed with shared prompts vs one datum per forward
     ["bench.moe"],  # Qwen3-MoE SFT at EP=2 vs EP=1
     ["bench.publish_latency"],
     ["bench.scale_out"],  # split cluster with a worker killed (needs root for namespaces), 1M upload, 1k streams
