@@ -17,6 +17,7 @@ import math
 import shutil
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -83,6 +84,11 @@ def prefix_length(pairs: list[list[tuple[int, int]]], members: list[int]) -> int
     return min(min(_common(first, pairs[j]), len(pairs[j]) - 1) for j in members)
 
 
+def unit_tokens(pairs: list[list[tuple[int, int]]], unit: list[int]) -> int:
+    """The positions a unit computes: every datum's, its shared ones once."""
+    return sum(len(pairs[i]) for i in unit) - (len(unit) - 1) * prefix_length(pairs, unit)
+
+
 def datum_units(pairs: list[list[tuple[int, int]]], budget: int) -> list[list[int]]:
     """Datums that run as one shared-prefix document (`data.Document.parts`): those that start with the same
     (input, target) pairs, e.g. the samples of one prompt, as long as adding one does not save fewer positions and the
@@ -92,8 +98,8 @@ def datum_units(pairs: list[list[tuple[int, int]]], budget: int) -> list[list[in
         if units:
             unit = units[-1]
             shared, grown = prefix_length(pairs, unit), prefix_length(pairs, unit + [i])
-            size = sum(len(pairs[j]) for j in unit) + len(pairs[i]) - len(unit) * grown
-            if grown >= 1 and len(unit) * grown >= (len(unit) - 1) * shared and size <= budget:
+            saves_no_less = grown >= 1 and len(unit) * grown >= (len(unit) - 1) * shared
+            if saves_no_less and unit_tokens(pairs, unit + [i]) <= budget:
                 unit.append(i)
                 continue
         units.append([i])
@@ -140,7 +146,7 @@ def _micro_units(units: list[list[int]], pairs: list[list[tuple[int, int]]], bud
     out: list[list[list[int]]] = []
     size = 0
     for unit in units:
-        cost = sum(len(pairs[i]) for i in unit) - (len(unit) - 1) * prefix_length(pairs, unit)
+        cost = unit_tokens(pairs, unit)
         if out and size + cost <= budget:
             out[-1].append(unit)
             size += cost
@@ -239,8 +245,7 @@ def forward_backward(trainer: "Trainer", request: dict[str, Any], backward: bool
             return [[i] for i in rows]
         return [[rows[k] for k in u] for u in datum_units([pairs[i] for i in rows], budget)]
 
-    cost = lambda u: sum(len(pairs[i]) for i in u) - (len(u) - 1) * prefix_length(pairs, u)  # noqa: E731
-    rows = balance_units(units_of(list(range(len(data)))), cost, par.dp_size)[par.dp_rank]
+    rows = balance_units(units_of(list(range(len(data)))), partial(unit_tokens, pairs), par.dp_size)[par.dp_rank]
     mine: list[tuple[int, float, dict[str, Any]]] = []
     for group in _micro_units(units_of(rows), pairs, budget):
         batch, where = _packed_batch(pairs, group)
