@@ -11,7 +11,9 @@ The objective adds `coef` x the sum over MoE layers of that loss, each micro-bat
 step's tokens on every DP rank (`aux_loss_scale`). That is megatron's per-layer convention: HF's
 `router_aux_loss_coef` computes one loss over all layers together, so the same coefficient weighs it about
 `layers` times less there. The metric `moe_load_balancing_loss` is the token-weighted mean over the step's
-micro-batches of the mean over layers.
+micro-batches of the mean over layers, over the tokens the forward passes compute: without a trained loss (coef 0, the
+default) a GRPO step computes a shared prompt once and leaves out rows of advantage 0 (`rl_step.rl_batch`), so those
+tokens count once or not at all.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """GRPO / Dr. GRPO optimizer steps of a Trainer over a batch of scored rows (all groups of the batch in each step).
 
-`rl_batch` tokenizes the rows, leaves out those whose loss has no gradient (advantage 0, when no KL term or
+`rl_batch` tokenizes the rows, leaves out those whose loss has no gradient (advantage 0, when no KL term or trained
 load-balancing loss reads their tokens: a group whose completions all scored the same, common with pass/fail rewards,
 or a reward at its group's mean) and packs this DP rank's share of the rest padding-free (as SFT's); `grpo_step`
 drives one step over it with `step.run_step` and `grpo_loss`: the clipped objective on each micro-batch's logprobs
@@ -71,10 +71,13 @@ def rl_batch(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> RLBatch:
     tokens = sum(len(d.doc.tokens) for d in docs)
     weights = token_weights(docs, args.loss)
     skipped = stats["rows_skipped"] = 0
-    if args.kl_coef == 0 and trainer.balance is None:  # nothing but the clipped objective reads a row's tokens
+    # A trained MoE load-balancing loss (moe_aux_loss_coef > 0) depends on every token a forward pass holds; without
+    # one the balance meter only reports, over the tokens computed.
+    every_token = args.moe_aux_loss_coef > 0
+    if args.kl_coef == 0 and not every_token:  # nothing but the clipped objective reads a row's tokens
         docs, weights, stats["rows_skipped"], skipped = with_gradient(docs, weights)
     # Rows with the same prompt compute it once (exact), unless a load-balancing loss counts every row's tokens.
-    share = trainer.balance is None
+    share = not every_token
     split = rank_documents([d.doc for d in docs], par.dp_size, trainer.max_len, share)
     ranks = [[docs[i] for i in r] for r in split]
     stats["prompt_tokens_shared"] = sum(_shared_tokens(r, trainer.max_len) for r in ranks) if share else 0

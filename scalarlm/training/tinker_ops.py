@@ -235,9 +235,9 @@ def forward_backward(trainer: "Trainer", request: dict[str, Any], backward: bool
     start = time.perf_counter()
     par = trainer.par
     trainer.ddp.train()
-    # Tokens per forward, as a GRPO micro-batch's. A mixture-of-experts model runs a datum per forward, as before: its
-    # load-balancing loss depends on which tokens a forward holds (and would count a shared prompt once).
-    packed = trainer.balance is None
+    # Tokens per forward, as a GRPO micro-batch's. A trained MoE load-balancing loss (moe_aux_loss_coef > 0) depends on
+    # which tokens a forward holds (and would count a shared prompt once): then a datum per forward, as before.
+    packed = trainer.args.moe_aux_loss_coef == 0
     budget = trainer.max_len * MIN_ROWS_PER_MICRO if packed else 0
 
     def units_of(rows: list[int]) -> list[list[int]]:

@@ -125,9 +125,9 @@ def tinker_datums(tokenizer) -> list[dict]:
     return out
 
 
-def tinker_cases(model, tokenizer) -> dict:
+def tinker_cases(model, tokenizer, suffix: str = "") -> dict:
     """Tinker's forward_backward (packed; datums of one prompt share it) against one datum at a time: logprobs,
-    losses and gradients, for cross_entropy and ppo."""
+    losses and gradients, for cross_entropy and ppo (keys `tinker_<loss><suffix>`)."""
     from scalarlm.training.data import MicroBatch
     from scalarlm.training.losses import token_losses
     from scalarlm.training.tinker_ops import _loss, datum_units, forward_backward, loss_inputs
@@ -136,7 +136,8 @@ def tinker_cases(model, tokenizer) -> dict:
     model.no_sync = contextlib.nullcontext  # what forward_backward calls on the DDP wrapper (one rank: no sync)
     pairs = [list(zip(d["tokens"], d["loss_fn_inputs"]["target_tokens"])) for d in data]
     trainer = SimpleNamespace(ddp=model, par=SimpleNamespace(device=torch.device("cpu"), dp_rank=0, dp_size=1),
-                              arch=SimpleNamespace(vocab_size=len(tokenizer)), max_len=16, balance=None)  # fmt: skip
+                              arch=SimpleNamespace(vocab_size=len(tokenizer)), max_len=16,
+                              args=SimpleNamespace(moe_aux_loss_coef=0.0))  # fmt: skip
     out = {}
     for loss_fn in ("cross_entropy", "ppo"):
         calls = []
@@ -157,7 +158,7 @@ def tinker_cases(model, tokenizer) -> dict:
             ref_logp.append(logp.detach())
         ref_grads = grads(model)
         rel = {n: float((packed_grads[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in ref_grads.items()}
-        out[f"tinker_{loss_fn}"] = {
+        out[f"tinker_{loss_fn}{suffix}"] = {
             "loss": packed["loss"], "loss_ref": ref_loss, "forward_passes": len(calls), "datums": len(data),
             "logp_diff": max(float((torch.tensor(o["logprobs"]) - r).abs().max())
                              for o, r in zip(packed["outputs"], ref_logp)),
@@ -176,6 +177,7 @@ def main() -> int:
                                         shared_prompt_tokens, token_weights, with_gradient)
     from scalarlm.training.launch_env import launch_env_from
     from scalarlm.training.losses import token_losses
+    from scalarlm.training.model import model_arch
     from scalarlm.training.parallel import init_parallel, shutdown_parallel
     from scalarlm.training.rl_step import RLBatch, grpo_loss
 
@@ -241,6 +243,11 @@ def main() -> int:
         first_model = load_model(first)
         first_model.train()
         result.update(tinker_cases(first_model, AutoTokenizer.from_pretrained(first)))
+        for d in sys.argv[2:]:  # and on mixture-of-experts models (no load-balancing loss trained: the default)
+            if model_arch(Path(d)).num_experts:
+                moe = load_model(Path(d))
+                moe.train()
+                result.update(tinker_cases(moe, AutoTokenizer.from_pretrained(d), suffix=f":{Path(d).name}"))
         print("RESULT " + json.dumps(result), flush=True)
     finally:
         shutdown_parallel()

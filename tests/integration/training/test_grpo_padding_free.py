@@ -2,9 +2,9 @@
 lengths, the trainer's packed micro-batches and GRPO loss give the padded layout's loss and gradients (per parameter,
 fp32) while computing on about a third of the tokens: no padding, each group's prompt once (shared prefixes), and the
 output layer on the completion tokens alone. Shared prompts are checked again on the families whose attention differs
-(sliding windows, soft-capping, a second RoPE base). Tinker's forward_backward packs its datums the same way: its
-logprobs, losses and gradients equal one datum at a time. The check runs in its own process (megatron's parallel
-state)."""
+(sliding windows, soft-capping, a second RoPE base) and on a mixture-of-experts model. Tinker's forward_backward
+packs its datums the same way: its logprobs, losses and gradients equal one datum at a time. The check runs in its
+own process (megatron's parallel state)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ GRAD_REL = 1e-5
 
 
 # Attention that differs from the tiny Llama's: Gemma 2 (soft-capped, alternating windows), Qwen3 with a window of 8
-# on its upper layer, Gemma 3 (windows and a second RoPE base on the sliding layers).
-FAMILIES = ("gemma2", "qwen3-sliding", "gemma3")
+# on its upper layer, Gemma 3 (windows and a second RoPE base on the sliding layers); and megatron's MoE layers
+# (Qwen3-MoE, no load-balancing loss trained: the default), where Tinker's packing is checked too.
+FAMILIES = ("gemma2", "qwen3-sliding", "gemma3", "qwen3-moe")
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +82,11 @@ def test_rows_with_advantage_0_are_not_computed_and_change_nothing(parity: dict)
     assert r["tokens_free"] == r["doc_tokens"] - r["shared_tokens"] and r["doc_tokens"] < with_kl["doc_tokens"], r
 
 
+@pytest.mark.parametrize("model", ["", ":qwen3-moe"], ids=["llama", "qwen3-moe"])
 @pytest.mark.parametrize("loss_fn", ["cross_entropy", "ppo"])
-def test_tinker_forward_backward_packs_datums_and_shares_their_prompts_exactly(parity: dict, loss_fn: str) -> None:
-    r = parity[f"tinker_{loss_fn}"]
+def test_tinker_forward_backward_packs_datums_and_shares_their_prompts_exactly(parity: dict, loss_fn: str,
+                                                                               model: str) -> None:  # fmt: skip
+    r = parity[f"tinker_{loss_fn}{model}"]
     assert r["shared_units"] == 4 and r["lengths_match"], r  # every prompt's datums as one shared-prefix document
     assert r["forward_passes"] < r["datums"] / 2, r  # packed: not one forward pass per datum
     assert r["loss"] == pytest.approx(r["loss_ref"], rel=LOSS_REL), r

@@ -292,6 +292,8 @@ def test_grpo_steps_over_one_batch_record_compare_and_replay_the_routing(moe_mod
         assert all("moe_routing_changed_fraction" not in r for r in rows[::3])  # a first pass compares with nothing
         assert all(0 <= r["moe_routing_changed_fraction"] <= 1 for i, r in enumerate(rows) if i % 3)
         assert all(r["moe_load_balancing_loss"] > 0 for r in rows)
+        # no load-balancing loss trained (the default): each group's prompt is computed once, as on a dense model
+        assert all(r["prompt_tokens_shared"] > 0 for r in rows)
     assert off[0]["loss"] == on[0]["loss"] and off[0]["grad_norm"] == on[0]["grad_norm"]
     assert any(r["moe_routing_changed_fraction"] > 0 for i, r in enumerate(off) if i % 3), off  # the routers moved
     moved = off[1]["moe_routing_changed_fraction"] > 0
@@ -338,6 +340,33 @@ def test_grpo_at_ep2_trains_as_dp2_with_uneven_ranks_aux_loss_and_routing_replay
     assert_same_curve(ep, dp, ("loss", "grad_norm", "moe_load_balancing_loss", "loss_tokens"))
     assert abs(ep[1]["moe_routing_changed_fraction"] - dp[1]["moe_routing_changed_fraction"]) <= 1e-9, (ep, dp)
     assert ep[0]["grad_norm"] > 0 and ep[1]["loss"] != ep[0]["loss"]
+    assert all(r["prompt_tokens_shared"] == 0 for r in ep + dp)  # a trained load-balancing loss reads every row
+
+
+@pytest.mark.slow
+def test_grpo_at_ep2_without_a_balance_loss_shares_prompts_and_skips_rows_as_dp2(moe_models: dict[str, Path],
+                                                                                tmp_path: Path) -> None:  # fmt: skip
+    """GRPO at expert_parallel_size 2 with no load-balancing loss trained (the default): each group's prompt is
+    computed once and the groups whose rows scored alike are left out, the ranks taking whole groups; loss, grad norm,
+    load-balancing metric, loss tokens and routing replay equal DP=2's, step by step."""
+    from trainer_jobs import make_job, run_trainer, trainer_output
+
+    require_mpirun()
+    alike = [{"prompt": f"Say {i} twice: ", "completion": c, "reward": 1.0} for i in range(3) for c in (" a", " b b")]
+    spread = [{"prompt": f"What is {i} plus zero? ", "completion": c, "reward": r}
+              for i in range(9) for c, r in ((" y", 0.0), (" x" * (5 + 3 * i), 1.0))]  # fmt: skip
+    args = dict(EP_GRPO, moe_aux_loss_coef=0.0)
+    runs = {}
+    for name, extra in (("dp2", {}), ("ep2", {"expert_parallel_size": 2})):
+        job = make_job(tmp_path, f"grpo-{name}", moe_models["qwen3-moe"], alike + spread, **args, **extra)
+        assert run_trainer(job, 2, timeout=600) == 0, trainer_output(job)[-3000:]
+        runs[name] = job.read_metrics()
+    dp, ep = runs["dp2"], runs["ep2"]
+    assert len(ep) == 2 and ep[0]["groups"] == 9  # the three alike groups and six of the others
+    assert_same_curve(ep, dp, ("loss", "grad_norm", "moe_load_balancing_loss", "loss_tokens"))
+    assert abs(ep[1]["moe_routing_changed_fraction"] - dp[1]["moe_routing_changed_fraction"]) <= 1e-9, (ep, dp)
+    assert all(r["rows_skipped"] == 6 and r["prompt_tokens_shared"] > 0 for r in ep + dp), ep
+    assert ep[0]["grad_norm"] > 0 and ep[0]["moe_load_balancing_loss"] > 0
 
 
 @pytest.mark.slow
