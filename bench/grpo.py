@@ -56,15 +56,16 @@ def load() -> str:
 
 
 def trl_grpo(model: Path, steps: int, out_dir: Path, prompts: list[str], score, lr: float = LR,
-             shuffle: bool = True) -> tuple[list[float], list[float]]:
+             shuffle: bool = True, seed: int = 0) -> tuple[list[float], list[float]]:  # fmt: skip
     """TRL GRPOTrainer on `prompts` with `score(prompt, completion, completion_ids) -> reward`: HF generate (no
-    vLLM), CPU, fp32, this file's batch shape and loss; returns (each step's mean reward, each step's end time)."""
+    vLLM), CPU, fp32, this file's batch shape and loss, sampling seeded with `seed`; returns (each step's mean reward,
+    each step's end time)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -85,7 +86,7 @@ def trl_grpo(model: Path, steps: int, out_dir: Path, prompts: list[str], score, 
     cfg = GRPOConfig(output_dir=str(out_dir), max_steps=steps, per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
                      num_generations=GROUP, max_completion_length=COMPLETION, temperature=1.0, learning_rate=lr,
                      lr_scheduler_type="constant", beta=0.0, epsilon=CLIP, loss_type="grpo", use_cpu=True, bf16=False,
-                     report_to="none", save_strategy="no", logging_steps=10_000, seed=0, disable_tqdm=True,
+                     report_to="none", save_strategy="no", logging_steps=10_000, seed=seed, disable_tqdm=True,
                      dataloader_num_workers=0, shuffle_dataset=shuffle)  # fmt: skip
     data = Dataset.from_list([{"prompt": p} for p in prompts])
     trainer = GRPOTrainer(model=lm, reward_funcs=[reward], args=cfg, train_dataset=data, processing_class=tokenizer,
@@ -218,6 +219,7 @@ def arguments(steps: int, timeout: float) -> argparse.ArgumentParser:
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--timeout", type=float, default=timeout, help="seconds allowed to the TRL side")
     ap.add_argument("--trl", action="store_true", help="run only the TRL side in this process (internal)")
+    ap.add_argument("--seed", type=int, default=0, help="the TRL side's seed (internal)")
     return ap
 
 

@@ -10,8 +10,15 @@ generated while the step trains, `max_staleness` 1: async), and TRL in a fresh p
 the async ratio, `grpo_step_vs_trl_sync` the sync one (bench/grpo.py's digit-reward ratio is
 `grpo_step_vs_trl_digits`). Our trainer leaves out the rows whose advantage is 0 (their gradient is exactly 0;
 TRL computes them): `grpo_learn_rows_skipped_*` is the fraction of rows that were. Step time = wall time from
-the end of step 1 to the end of step N / (N - 1). Prints the ratios measured in this run, the load average, and
-writes build/bench/grpo_reward_curves.png. Not a test.
+the end of step 1 to the end of step N / (N - 1).
+
+Every side runs `--seeds` times (3), each seed its own order of prompts and its own sampling seeds (our async side
+samples unseeded), since one run's curve follows which prompts it drew: a 10-step mean has a standard error of about
+0.07 here. Per side: the median seconds per step over the seeds (the ratios), and the reward of the last third of the
+steps and its gain over the first third, means over the seeds (`grpo_learn_reward_last_third_*`,
+`grpo_learn_reward_gain_*`; the standard error over the seeds is printed beside them). Our sides run first, on one
+server; TRL's after it stops. Prints the ratios measured in this run, the load average, and writes
+build/bench/grpo_reward_curves.png (mean curves over the seeds). Not a test.
 """
 
 from __future__ import annotations
@@ -58,11 +65,11 @@ def batches(steps: int, seed: int = 0) -> list[list[str]]:
 # --- TRL: `python -m bench.grpo_learn --trl` runs GRPOTrainer in a fresh process and prints JSON ---
 
 
-def run_trl(model: Path, steps: int, out_dir: Path) -> dict:
+def run_trl(model: Path, steps: int, out_dir: Path, seed: int = 0) -> dict:
     """TRL GRPOTrainer from the warm-start checkpoint on the same batches (in order); per-step times and rewards."""
-    plan = [p for batch in batches(steps) for p in batch]
+    plan = [p for batch in batches(steps, seed) for p in batch]
     rewards, ends = trl_grpo(model, steps, out_dir, plan, lambda p, c, ids: answer_reward(c, ANSWERS[p]), LR,
-                             shuffle=False)
+                             shuffle=False, seed=seed)
     return {"seconds_per_step": (ends[-1] - ends[0]) / (len(ends) - 1), "rewards": rewards,
             "seconds": [e - ends[0] for e in ends]}  # fmt: skip
 
@@ -92,13 +99,13 @@ RL_ARGS = {"adapter_type": "full", "loss": "grpo", "learning_rate": LR, "clip_ep
 SAMPLING = {"n": GROUP, "temperature": 1.0, "logprobs": 1}
 
 
-def ours_sync(llm, start: str, steps: int) -> dict:
+def ours_sync(llm, start: str, steps: int, seed: int = 0) -> dict:
     """Generate, score, step, one after another."""
     rewards, ends, skipped = [], [], []
-    rng = random.Random(1)
+    rng = random.Random(1 + seed)
     with llm.rl_session(model_name=start, train_args=RL_ARGS, max_staleness=0) as session:
         served, version = start, 0
-        for batch in batches(steps):
+        for batch in batches(steps, seed):
             results = llm.generate(batch, model_name=served, max_tokens=COMPLETION, seed=rng.randrange(1 << 30),
                                    return_details=True, **SAMPLING)  # fmt: skip
             rows = _rows(batch, results)
@@ -111,9 +118,9 @@ def ours_sync(llm, start: str, steps: int) -> dict:
             "seconds": [e - ends[0] for e in ends], "rows_skipped": statistics.fmean(skipped)}  # fmt: skip
 
 
-def ours_async(llm, start: str, steps: int) -> dict:
+def ours_async(llm, start: str, steps: int, seed: int = 0) -> dict:
     """`session.pipeline`: batch k+1 is generated while step k trains (one version stale)."""
-    plan = batches(steps)
+    plan = batches(steps, seed)
     rewards, ends, staleness, skipped = [], [], [], []
     with llm.rl_session(model_name=start, train_args=RL_ARGS, max_staleness=1) as session:
         pipeline = session.pipeline(lambda i: plan[i], _rows, steps, max_tokens=COMPLETION, **SAMPLING)
@@ -131,19 +138,27 @@ def _rolling(values: list[float], window: int) -> list[float]:
     return [statistics.fmean(values[max(0, i + 1 - window):i + 1]) for i in range(len(values))]
 
 
-def plot(curves: dict[str, dict], steps: int) -> None:
+def _mean_curve(runs: list[dict], key: str) -> list[float]:
+    """The mean over seeds of each step's `key` (rewards, or seconds after step 1)."""
+    return [statistics.fmean(values) for values in zip(*(run[key] for run in runs))]
+
+
+def plot(sides: dict[str, list[dict]], steps: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, run in curves.items():
-        smooth = _rolling(run["rewards"], 5)
+    seeds = len(next(iter(sides.values())))
+    for name, runs in sides.items():
+        rewards = _mean_curve(runs, "rewards")
+        smooth = _rolling(rewards, 5)
         line = by_step.plot(range(1, len(smooth) + 1), smooth, label=f"{name} (mean of 5 steps)", linewidth=2)[0]
-        by_step.plot(range(1, len(run["rewards"]) + 1), run["rewards"], color=line.get_color(), alpha=0.3)
-        by_time.plot(run["seconds"], smooth, color=line.get_color(), linewidth=2, label=name)
-    by_step.set(xlabel="step", ylabel="mean reward (exact sum)", title=f"GRPO, {steps} steps from one SFT warm start")
+        by_step.plot(range(1, len(rewards) + 1), rewards, color=line.get_color(), alpha=0.3)
+        by_time.plot(_mean_curve(runs, "seconds"), smooth, color=line.get_color(), linewidth=2, label=name)
+    by_step.set(xlabel="step", ylabel=f"mean reward (exact sum), mean of {seeds} seed(s)",
+                title=f"GRPO, {steps} steps from one SFT warm start")  # fmt: skip
     by_time.set(xlabel="seconds after step 1", ylabel="mean reward", title="the same against wall time")
     by_step.legend()
     fig.tight_layout()
@@ -151,52 +166,82 @@ def plot(curves: dict[str, dict], steps: int) -> None:
     fig.savefig(PNG, dpi=100)
 
 
+def _key(name: str) -> str:
+    """'ours sync' -> 'ours_sync', 'TRL GRPOTrainer' -> 'trl'."""
+    return name.replace(" ", "_") if name.startswith("ours") else "trl"
+
+
+def _thirds(rewards: list[float]) -> tuple[float, float]:
+    tail = max(1, len(rewards) // 3)
+    return statistics.fmean(rewards[:tail]), statistics.fmean(rewards[-tail:])
+
+
+def summarize(sides: dict[str, list[dict]]) -> dict[str, float]:
+    """The figures over every seed: step-time ratios from each side's median seconds per step; each side's reward in
+    the last third of the steps and its gain over the first third, means over the seeds (their standard error
+    printed beside them: the curves follow which prompts each seed drew)."""
+    per_step = {name: statistics.median(r["seconds_per_step"] for r in runs) for name, runs in sides.items()}
+    trl = per_step["TRL GRPOTrainer"]
+    figures = {"grpo_step_vs_trl": round(per_step["ours async"] / trl, 3),
+               "grpo_step_vs_trl_sync": round(per_step["ours sync"] / trl, 3)}  # fmt: skip
+    for name, runs in sides.items():
+        first, last = zip(*(_thirds(r["rewards"]) for r in runs))
+        se = statistics.stdev(last) / len(last) ** 0.5 if len(last) > 1 else float("nan")
+        figures[f"grpo_learn_reward_last_third_{_key(name)}"] = round(statistics.fmean(last), 3)
+        figures[f"grpo_learn_reward_gain_{_key(name)}"] = round(statistics.fmean(last) - statistics.fmean(first), 3)
+        print(f"{name:16s} {per_step[name]:5.2f} s/step; reward last third {statistics.fmean(last):.3f} "
+              f"(standard error {se:.3f}; per seed {' '.join(f'{x:.3f}' for x in last)}), "
+              f"first third {statistics.fmean(first):.3f}")  # fmt: skip
+        if name.startswith("ours"):  # rows of advantage 0: left out of our computation, computed by TRL's
+            figures["grpo_learn_rows_skipped_" + name.split()[1]] = round(
+                statistics.fmean(r["rows_skipped"] for r in runs), 3)
+    return figures
+
+
 def main() -> None:
-    args = arguments(steps=30, timeout=1800).parse_args()
+    ap = arguments(steps=30, timeout=1800)
+    ap.add_argument("--seeds", type=int, default=3, help="runs of every side, each with its own prompt order and "
+                    "sampling seed (the figures are over all of them)")  # fmt: skip
+    args = ap.parse_args()
     if args.trl:
-        print(json.dumps(run_trl(args.model, args.steps, args.work / "out-trl")))
+        print(json.dumps(run_trl(args.model, args.steps, args.work / f"out-trl-{args.seed}", args.seed)))
         return
     import scalarlm
 
     model = make_model(args.model.resolve())
     work = Path(tempfile.mkdtemp(prefix="bench-grpo-learn-", dir=ROOT / "build" / "bench"))
     print(f"model {model}; {PROMPTS_PER_STEP} prompts x {GROUP} completions x <= {COMPLETION} tokens per step, "
-          f"{args.steps} steps, lr {LR}; work {work}")  # fmt: skip
+          f"{args.steps} steps, lr {LR}, {args.seeds} seed(s); work {work}")  # fmt: skip
     port = free_port()
     argv = [python(), "-m", "scalarlm.cli", "serve", "--model", str(model), "--home", str(work / "home"),
             "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
-    curves: dict[str, dict] = {}
+    sides: dict[str, list[dict]] = {"ours sync": [], "ours async": [], "TRL GRPOTrainer": []}
     with SlowStart(argv, f"http://127.0.0.1:{port}/v1/health", log=work / "scalarlm-serve.log"):
         llm = scalarlm.ScalarLM(api_url=f"http://127.0.0.1:{port}", timeout=600)
         start, checkpoint = warm_start(llm, work / "home")
         print(f"warm start {start}: {checkpoint}")
-        for name, side in (("ours sync", ours_sync), ("ours async", ours_async)):
-            before = load()
-            curves[name] = side(llm, start, args.steps)
-            print(f"{name:11s} {curves[name]['seconds_per_step']:6.2f} s/step   load avg {before} -> {load()}")
-    before = load()
-    trl_proc = subprocess.Popen([python(), "-m", "bench.grpo_learn", "--trl", "--model", str(checkpoint), "--steps",
-                                 str(args.steps), "--work", str(work)], cwd=ROOT, stdout=open(work / "trl.json", "w"),
-                                stderr=open(work / "trl.log", "w"), start_new_session=True)  # fmt: skip
-    curves["TRL GRPOTrainer"] = finish_trl(trl_proc, work, args.timeout)
-    print(f"TRL         {curves['TRL GRPOTrainer']['seconds_per_step']:6.2f} s/step   load avg {before} -> {load()}")
-    trl = curves["TRL GRPOTrainer"]
-    figures = {
-        "grpo_step_vs_trl": round(curves["ours async"]["seconds_per_step"] / trl["seconds_per_step"], 3),
-        "grpo_step_vs_trl_sync": round(curves["ours sync"]["seconds_per_step"] / trl["seconds_per_step"], 3),
-    }
-    tail = max(1, args.steps // 3)
-    for name, run in curves.items():
-        key = "grpo_learn_reward_last_third_" + name.split()[0].lower() + ("_" + name.split()[1] if "ours" in name else "")
-        figures[key] = round(statistics.fmean(run["rewards"][-tail:]), 3)
-        print(f"{name:16s} reward curve: " + " ".join(f"{r:.2f}" for r in run["rewards"]))
-    print(f"async staleness per step: {curves['ours async'].get('staleness')}")
-    for name in ("ours sync", "ours async"):  # rows of advantage 0: left out of our computation, computed by TRL's
-        figures["grpo_learn_rows_skipped_" + name.split()[1]] = round(curves[name]["rows_skipped"], 3)
-        print(f"{name}: {curves[name]['rows_skipped']:.0%} of the rows had advantage 0 (not computed)")
+        for seed in range(args.seeds):
+            for name, side in (("ours sync", ours_sync), ("ours async", ours_async)):
+                before = load()
+                run = side(llm, start, args.steps, seed)
+                sides[name].append(run)
+                print(f"seed {seed} {name:11s} {run['seconds_per_step']:6.2f} s/step   load avg {before} -> {load()}")
+                print("   rewards " + " ".join(f"{r:.2f}" for r in run["rewards"]))
+            print(f"   async staleness per step: {sides['ours async'][-1].get('staleness')}")
+    for seed in range(args.seeds):  # our server stopped: TRL has the box to itself
+        before = load()
+        trl_proc = subprocess.Popen([python(), "-m", "bench.grpo_learn", "--trl", "--model", str(checkpoint),
+                                     "--steps", str(args.steps), "--work", str(work), "--seed", str(seed)], cwd=ROOT,
+                                    stdout=open(work / "trl.json", "w"), stderr=open(work / "trl.log", "w"),
+                                    start_new_session=True)  # fmt: skip
+        run = finish_trl(trl_proc, work, args.timeout)
+        sides["TRL GRPOTrainer"].append(run)
+        print(f"seed {seed} TRL         {run['seconds_per_step']:6.2f} s/step   load avg {before} -> {load()}")
+        print("   rewards " + " ".join(f"{r:.2f}" for r in run["rewards"]))
+    figures = summarize(sides)
     print(f"grpo_step_vs_trl = {figures['grpo_step_vs_trl']} (async, target <= 0.5), "
           f"grpo_step_vs_trl_sync = {figures['grpo_step_vs_trl_sync']}")
-    plot(curves, args.steps)
+    plot(sides, args.steps)
     print(f"wrote {PNG}")
     merge_results(figures)
     print(json.dumps(figures))

@@ -10,7 +10,7 @@ SUITES = [
     ["bench.training"],
     ["bench.training", "--family", "qwen3"],  # sft_vs_hf_trainer_qwen3, beside the Llama figure
     ["bench.grpo"],
-    ["bench.grpo_learn"],  # 30 steps of a learnable task, sync and async, both reward curves in one PNG
+    ["bench.grpo_learn"],  # 30 steps of a learnable task x 3 seeds, sync, async and TRL, the reward curves in one PNG
     ["bench.tinker_step"],  # Tinker forward_backward, packed with shared prompts vs one datum per forward
     ["bench.moe"],  # Qwen3-MoE SFT at EP=2 vs EP=1
     ["bench.publish_latency"],
