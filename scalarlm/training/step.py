@@ -107,7 +107,8 @@ def run_step(trainer: "Trainer", micro_batches: Sequence[MicroBatch], loss_fn: L
     moe = {}
     if balance is not None:
         sums, (weighted, tokens) = sums[:n_stats], sums[n_stats:].tolist()
-        moe["moe_load_balancing_loss"] = weighted / tokens if tokens else 0.0
+        if tokens:  # a step that computed no token (every GRPO row left out) measured nothing: no figure
+            moe["moe_load_balancing_loss"] = weighted / tokens
     return StepResult(sums, lr, grad_norm, time.perf_counter() - start, moe)
 
 

@@ -348,25 +348,29 @@ def test_grpo_at_ep2_without_a_balance_loss_shares_prompts_and_skips_rows_as_dp2
                                                                                 tmp_path: Path) -> None:  # fmt: skip
     """GRPO at expert_parallel_size 2 with no load-balancing loss trained (the default): each group's prompt is
     computed once and the groups whose rows scored alike are left out, the ranks taking whole groups; loss, grad norm,
-    load-balancing metric, loss tokens and routing replay equal DP=2's, step by step."""
+    load-balancing metric, loss tokens and routing replay equal DP=2's, step by step. A batch whose every group
+    scored alike computes nothing: no load-balancing figure (nothing was routed), the other ranks' experts idle."""
     from trainer_jobs import make_job, run_trainer, trainer_output
 
     require_mpirun()
-    alike = [{"prompt": f"Say {i} twice: ", "completion": c, "reward": 1.0} for i in range(3) for c in (" a", " b b")]
+    alike = [{"prompt": f"Say {i} twice: ", "completion": c, "reward": 1.0} for i in range(12) for c in (" a", " b b")]
     spread = [{"prompt": f"What is {i} plus zero? ", "completion": c, "reward": r}
-              for i in range(9) for c, r in ((" y", 0.0), (" x" * (5 + 3 * i), 1.0))]  # fmt: skip
-    args = dict(EP_GRPO, moe_aux_loss_coef=0.0)
+              for i in range(6) for c, r in ((" y", 0.0), (" x" * (5 + 3 * i), 1.0))]  # fmt: skip
+    args = dict(EP_GRPO, moe_aux_loss_coef=0.0, max_steps=4)
     runs = {}
     for name, extra in (("dp2", {}), ("ep2", {"expert_parallel_size": 2})):
-        job = make_job(tmp_path, f"grpo-{name}", moe_models["qwen3-moe"], alike + spread, **args, **extra)
+        job = make_job(tmp_path, f"grpo-{name}", moe_models["qwen3-moe"], alike[:6] + spread + alike[6:], **args,
+                       **extra)  # fmt: skip
         assert run_trainer(job, 2, timeout=600) == 0, trainer_output(job)[-3000:]
         runs[name] = job.read_metrics()
     dp, ep = runs["dp2"], runs["ep2"]
-    assert len(ep) == 2 and ep[0]["groups"] == 9  # the three alike groups and six of the others
-    assert_same_curve(ep, dp, ("loss", "grad_norm", "moe_load_balancing_loss", "loss_tokens"))
+    assert len(ep) == 4 and [r["groups"] for r in ep] == [9] * 4  # 3 alike groups and 6 others, then 9 alike
+    assert_same_curve(ep[:2], dp[:2], ("loss", "grad_norm", "moe_load_balancing_loss", "loss_tokens"))
     assert abs(ep[1]["moe_routing_changed_fraction"] - dp[1]["moe_routing_changed_fraction"]) <= 1e-9, (ep, dp)
-    assert all(r["rows_skipped"] == 6 and r["prompt_tokens_shared"] > 0 for r in ep + dp), ep
+    assert all(r["rows_skipped"] == 6 and r["prompt_tokens_shared"] > 0 for r in ep[:2] + dp[:2]), ep
     assert ep[0]["grad_norm"] > 0 and ep[0]["moe_load_balancing_loss"] > 0
+    for r in ep[2:] + dp[2:]:  # every row of the second batch left out
+        assert r["rows_skipped"] == 18 and r["grad_norm"] == 0 and "moe_load_balancing_loss" not in r, r
 
 
 @pytest.mark.slow
