@@ -174,9 +174,9 @@ def with_gradient(docs: Sequence[RLDoc], weights: Sequence[float]) -> tuple[list
     at their group's mean reward) and their weights; how many were left out and their loss tokens.
 
     A document with advantage 0 adds exactly 0 to that loss and to its gradient at every token
-    (`-min(ratio * 0, clip(ratio) * 0)`), so leaving it out changes neither, as long as nothing else (a KL term, a trained
-    mixture-of-experts load-balancing loss) reads its tokens: the caller decides that. The weights stay as computed
-    over every document."""
+    (`-min(ratio * 0, clip(ratio) * 0)`), so leaving it out changes neither, as long as nothing else (a KL term, a
+    trained mixture-of-experts load-balancing loss) reads its tokens: the caller decides that. The weights stay as
+    computed over every document."""
     kept = [i for i, d in enumerate(docs) if d.advantage != 0.0]
     left = [d for d in docs if d.advantage == 0.0]
     return ([docs[i] for i in kept], [weights[i] for i in kept], len(left),
@@ -238,9 +238,9 @@ def shared_prompt_tokens(docs: Sequence[Document], units: Sequence[Sequence[int]
 def rank_documents(docs: Sequence[Document], dp_size: int, max_len: int, share: bool) -> list[list[int]]:
     """Each DP rank's documents (indices, ascending; every rank computes the same split: all ranks hold every row).
 
-    Without `share` (a trained MoE load-balancing loss): every `dp_size`-th row. With it: whole prompt units (`prompt_units`), so a group's rows share
-    their prompt on one rank, not once per rank (at DP 8 a group of 8 rows dealt one to a rank would share nothing).
-    A unit costs its tokens with the prompt once; one larger than half a rank's share of the batch is halved (each
+    Without `share` (a trained MoE load-balancing loss): every `dp_size`-th row. With it: whole prompt units
+    (`prompt_units`), so a group's rows share their prompt on one rank, not once per rank (at DP 8 a group of 8 rows
+    dealt one to a rank would share nothing). A unit costs its tokens with the prompt once; one larger than half a rank's share of the batch is halved (each
     half computes the prompt again) until it is not, or is one row, and the units go largest first to the rank with
     the fewest tokens so far, as the ranks wait for the slowest (`data.balance_units`)."""
     if not share or dp_size == 1:
