@@ -219,7 +219,6 @@ def arguments(steps: int, timeout: float) -> argparse.ArgumentParser:
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--timeout", type=float, default=timeout, help="seconds allowed to the TRL side")
     ap.add_argument("--trl", action="store_true", help="run only the TRL side in this process (internal)")
-    ap.add_argument("--seed", type=int, default=0, help="the TRL side's seed (internal)")
     return ap
 
 

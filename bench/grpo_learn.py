@@ -202,6 +202,7 @@ def main() -> None:
     ap = arguments(steps=30, timeout=1800)
     ap.add_argument("--seeds", type=int, default=3, help="runs of every side, each with its own prompt order and "
                     "sampling seed (the figures are over all of them)")  # fmt: skip
+    ap.add_argument("--seed", type=int, default=0, help="the TRL side's seed (internal, with --trl)")
     args = ap.parse_args()
     if args.trl:
         print(json.dumps(run_trl(args.model, args.steps, args.work / f"out-trl-{args.seed}", args.seed)))

@@ -83,7 +83,8 @@ def main() -> None:
     try:
         model, arch = load_model(model_dir)
         trainer = SimpleNamespace(ddp=model, par=SimpleNamespace(device=torch.device("cpu"), dp_rank=0, dp_size=1),
-                                  arch=arch, max_len=512, balance=None)  # fmt: skip
+                                  arch=arch, max_len=512,
+                                  args=SimpleNamespace(moe_aux_loss_coef=0.0))  # fmt: skip
         figures = {}
         for prompt_len in PROMPT_LENGTHS:
             data = datums(prompt_len, arch.vocab_size)
