@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -56,10 +57,10 @@ def load() -> str:
 
 
 def trl_grpo(model: Path, steps: int, out_dir: Path, prompts: list[str], score, lr: float = LR,
-             shuffle: bool = True, seed: int = 0) -> tuple[list[float], list[float]]:  # fmt: skip
+             shuffle: bool = True, seed: int = 0) -> tuple[list[float], list[float], Any, Any]:  # fmt: skip
     """TRL GRPOTrainer on `prompts` with `score(prompt, completion, completion_ids) -> reward`: HF generate (no
     vLLM), CPU, fp32, this file's batch shape and loss, sampling seeded with `seed`; returns (each step's mean reward,
-    each step's end time)."""
+    each step's end time, the trained model, its tokenizer)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -92,7 +93,7 @@ def trl_grpo(model: Path, steps: int, out_dir: Path, prompts: list[str], score, 
     trainer = GRPOTrainer(model=lm, reward_funcs=[reward], args=cfg, train_dataset=data, processing_class=tokenizer,
                           callbacks=[StepClock()])  # fmt: skip
     trainer.train()
-    return rewards, ends
+    return rewards, ends, lm, tokenizer
 
 
 def run_trl(model: Path, steps: int, out_dir: Path) -> dict:
@@ -103,7 +104,7 @@ def run_trl(model: Path, steps: int, out_dir: Path) -> dict:
         lengths.append(len(ids))  # generated tokens, not re-tokenized text
         return digit_frac(completion)
 
-    rewards, ends = trl_grpo(model, steps, out_dir, prompts(), score)
+    rewards, ends, _, _ = trl_grpo(model, steps, out_dir, prompts(), score)
     return {"seconds_per_step": (ends[-1] - ends[0]) / (len(ends) - 1), "steps": len(ends), "rewards": rewards,
             "mean_completion_tokens": statistics.fmean(lengths)}  # fmt: skip
 
