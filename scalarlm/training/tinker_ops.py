@@ -214,10 +214,10 @@ def forward_backward(trainer: "Trainer", request: dict[str, Any], backward: bool
     Datums run packed, up to `rl_step.MIN_ROWS_PER_MICRO` x `max_seq_len` tokens per forward pass (attention within
     each datum); datums that start with the same (input, target) pairs (the samples of one prompt) compute those
     positions once (`datum_units`, `data.Document.parts`): the same logprobs, losses and gradients as one datum at a
-    time (a mixture-of-experts model still runs one datum per forward). Under DP the ranks take whole units,
-    balanced by tokens (`data.balance_units`; grads are summed over DP ranks at optim_step, as the loss is a sum)
-    and the outputs are gathered back into request order; every rank checks every datum first, so a bad one is
-    refused by all of them alike."""
+    time (a mixture-of-experts model with a trained load-balancing loss runs one datum per forward pass when a
+    gradient is taken). Under DP the ranks take whole units, balanced by tokens (`data.balance_units`; grads are
+    summed over DP ranks at optim_step, as the loss is a sum) and the outputs are gathered back into request order;
+    every rank checks every datum first, so a bad one is refused by all of them alike."""
     loss_fn = request.get("loss_fn", "cross_entropy")
     if loss_fn not in LOSS_INPUTS:
         raise InvalidRequest(f"unknown loss_fn {loss_fn!r}; supported: {', '.join(LOSS_INPUTS)}", param="loss_fn")
@@ -236,8 +236,10 @@ def forward_backward(trainer: "Trainer", request: dict[str, Any], backward: bool
     par = trainer.par
     trainer.ddp.train()
     # Tokens per forward, as a GRPO micro-batch's. A trained MoE load-balancing loss (moe_aux_loss_coef > 0) depends on
-    # which tokens a forward holds (and would count a shared prompt once): then a datum per forward, as before.
-    packed = trainer.args.moe_aux_loss_coef == 0
+    # which tokens a forward holds (and would count a shared prompt once): then a datum per forward pass when its
+    # gradient is taken. A forward without backward packs still: routing is per token (top k, no token dropping) and
+    # megatron adds the loss only where gradients are enabled, so the logprobs are the same.
+    packed = trainer.args.moe_aux_loss_coef == 0 or not backward
     budget = trainer.max_len * MIN_ROWS_PER_MICRO if packed else 0
 
     def units_of(rows: list[int]) -> list[list[int]]:

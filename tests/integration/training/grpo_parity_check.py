@@ -56,13 +56,13 @@ def rows(tokenizer) -> list[dict]:
     return out
 
 
-def load_model(model_dir: Path, noise: float = 0.0):
+def load_model(model_dir: Path, noise: float = 0.0, aux_loss_coef: float = 0.0):
     from scalarlm.training import hf_io
     from scalarlm.training.convert import hf_to_mcore
     from scalarlm.training.model import build_gpt_model, model_arch
 
     arch = model_arch(model_dir)
-    model = build_gpt_model(arch, 1, bf16=False)
+    model = build_gpt_model(arch, 1, bf16=False, aux_loss_coef=aux_loss_coef)
     params = dict(model.named_parameters())
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
@@ -125,49 +125,97 @@ def tinker_datums(tokenizer) -> list[dict]:
     return out
 
 
+def _stand_in(model, tokenizer, aux_loss_coef: float = 0.0) -> SimpleNamespace:
+    """What tinker_ops.forward_backward reads of a Trainer, around `model` on one rank."""
+    model.no_sync = contextlib.nullcontext  # what forward_backward calls on the DDP wrapper (one rank: no sync)
+    return SimpleNamespace(ddp=model, par=SimpleNamespace(device=torch.device("cpu"), dp_rank=0, dp_size=1),
+                           arch=SimpleNamespace(vocab_size=len(tokenizer)), max_len=16,
+                           args=SimpleNamespace(moe_aux_loss_coef=aux_loss_coef))  # fmt: skip
+
+
+def _one_datum_at_a_time(model, data: list[dict], loss_fn: str, backward: bool) -> tuple[float, list[torch.Tensor]]:
+    """The reference: each datum in a forward pass of its own; (summed loss, each datum's logprobs)."""
+    from scalarlm.training.data import MicroBatch
+    from scalarlm.training.losses import token_losses
+    from scalarlm.training.tinker_ops import _loss, loss_inputs
+
+    ref_loss, ref_logp = 0.0, []
+    for i, d in enumerate(data):
+        n = len(d["tokens"])
+        row = lambda xs: torch.tensor(xs, dtype=torch.long).unsqueeze(0)  # noqa: E731
+        mb = MicroBatch(row(d["tokens"]), row(d["loss_fn_inputs"]["target_tokens"]), torch.ones(1, n),
+                        row(list(range(n))), None, (0, n))  # fmt: skip
+        with contextlib.nullcontext() if backward else torch.no_grad():
+            logp = -token_losses(model, mb).float()[0]
+            loss = _loss(loss_fn, logp, loss_inputs(loss_fn, d, n, i, {}), {}).sum()
+        if backward:
+            loss.backward()
+        ref_loss += float(loss.detach())
+        ref_logp.append(logp.detach())
+    return ref_loss, ref_logp
+
+
+def _logp_diff(outputs: list[dict], ref_logp: list[torch.Tensor]) -> float:
+    return max(float((torch.tensor(o["logprobs"]) - r).abs().max()) for o, r in zip(outputs, ref_logp))
+
+
+def _counting_forwards(model, run):
+    """(run(), the number of forward passes of `model` it made)."""
+    calls = []
+    hook = model.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        return run(), len(calls)
+    finally:
+        hook.remove()
+
+
 def tinker_cases(model, tokenizer, suffix: str = "") -> dict:
     """Tinker's forward_backward (packed; datums of one prompt share it) against one datum at a time: logprobs,
     losses and gradients, for cross_entropy and ppo (keys `tinker_<loss><suffix>`)."""
-    from scalarlm.training.data import MicroBatch
-    from scalarlm.training.losses import token_losses
-    from scalarlm.training.tinker_ops import _loss, datum_units, forward_backward, loss_inputs
+    from scalarlm.training.tinker_ops import datum_units, forward_backward
 
     data = tinker_datums(tokenizer)
-    model.no_sync = contextlib.nullcontext  # what forward_backward calls on the DDP wrapper (one rank: no sync)
+    trainer = _stand_in(model, tokenizer)
     pairs = [list(zip(d["tokens"], d["loss_fn_inputs"]["target_tokens"])) for d in data]
-    trainer = SimpleNamespace(ddp=model, par=SimpleNamespace(device=torch.device("cpu"), dp_rank=0, dp_size=1),
-                              arch=SimpleNamespace(vocab_size=len(tokenizer)), max_len=16,
-                              args=SimpleNamespace(moe_aux_loss_coef=0.0))  # fmt: skip
     out = {}
     for loss_fn in ("cross_entropy", "ppo"):
-        calls = []
-        hook = model.register_forward_hook(lambda *a: calls.append(1))
-        packed = forward_backward(trainer, {"loss_fn": loss_fn, "data": data}, backward=True)
-        hook.remove()
+        packed, forwards = _counting_forwards(
+            model, lambda: forward_backward(trainer, {"loss_fn": loss_fn, "data": data}, backward=True))
         packed_grads = grads(model)
-        ref_loss, ref_logp = 0.0, []
-        for i, d in enumerate(data):
-            n = len(d["tokens"])
-            row = lambda xs: torch.tensor(xs, dtype=torch.long).unsqueeze(0)  # noqa: E731
-            mb = MicroBatch(row(d["tokens"]), row(d["loss_fn_inputs"]["target_tokens"]), torch.ones(1, n),
-                            row(list(range(n))), None, (0, n))  # fmt: skip
-            logp = -token_losses(model, mb).float()[0]
-            loss = _loss(loss_fn, logp, loss_inputs(loss_fn, d, n, i, {}), {}).sum()
-            loss.backward()
-            ref_loss += float(loss.detach())
-            ref_logp.append(logp.detach())
+        ref_loss, ref_logp = _one_datum_at_a_time(model, data, loss_fn, backward=True)
         ref_grads = grads(model)
         rel = {n: float((packed_grads[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in ref_grads.items()}
         out[f"tinker_{loss_fn}{suffix}"] = {
-            "loss": packed["loss"], "loss_ref": ref_loss, "forward_passes": len(calls), "datums": len(data),
-            "logp_diff": max(float((torch.tensor(o["logprobs"]) - r).abs().max())
-                             for o, r in zip(packed["outputs"], ref_logp)),
+            "loss": packed["loss"], "loss_ref": ref_loss, "forward_passes": forwards, "datums": len(data),
+            "logp_diff": _logp_diff(packed["outputs"], ref_logp),
             "grad_rel_max": max(rel.values()),
             "grad_norm": float(torch.stack([g.norm() for g in ref_grads.values()]).norm()),
             "shared_units": sum(len(u) > 1 for u in datum_units(pairs, 16 * 8)),
             "lengths_match": all(len(o["logprobs"]) == len(d["tokens"]) for o, d in zip(packed["outputs"], data)),
         }  # fmt: skip
     return out
+
+
+def tinker_balance_loss_cases(model, tokenizer, aux_loss_coef: float, suffix: str) -> dict:
+    """On a MoE model built with a trained load-balancing loss (`aux_loss_coef` > 0): Tinker's `forward` (no
+    gradient) packs and gives the logprobs and loss of one datum at a time; `forward_backward` still runs one datum
+    per forward pass, with the same loss (key `tinker_balance<suffix>`)."""
+    from scalarlm.training.tinker_ops import forward_backward
+
+    data = tinker_datums(tokenizer)
+    trainer = _stand_in(model, tokenizer, aux_loss_coef)
+    request = {"loss_fn": "ppo", "data": data}
+    forward, forward_passes = _counting_forwards(model, lambda: forward_backward(trainer, request, backward=False))
+    no_grads = all(p.grad is None for p in model.parameters())
+    both, both_passes = _counting_forwards(model, lambda: forward_backward(trainer, request, backward=True))
+    model.zero_grad(set_to_none=True)
+    ref_loss, ref_logp = _one_datum_at_a_time(model, data, "ppo", backward=False)
+    return {f"tinker_balance{suffix}": {
+        "datums": len(data), "forward_passes": forward_passes, "forward_backward_passes": both_passes,
+        "loss": forward["loss"], "loss_backward": both["loss"], "loss_ref": ref_loss, "no_grads": no_grads,
+        "logp_diff": _logp_diff(forward["outputs"], ref_logp),
+        "logp_diff_backward": _logp_diff(both["outputs"], ref_logp),
+    }}  # fmt: skip
 
 
 def main() -> int:
@@ -248,6 +296,10 @@ def main() -> int:
                 moe = load_model(Path(d))
                 moe.train()
                 result.update(tinker_cases(moe, AutoTokenizer.from_pretrained(d), suffix=f":{Path(d).name}"))
+                balanced = load_model(Path(d), aux_loss_coef=0.01)
+                balanced.train()
+                result.update(tinker_balance_loss_cases(balanced, AutoTokenizer.from_pretrained(d), 0.01,
+                                                        suffix=f":{Path(d).name}"))  # fmt: skip
         print("RESULT " + json.dumps(result), flush=True)
     finally:
         shutdown_parallel()

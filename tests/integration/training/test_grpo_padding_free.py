@@ -91,3 +91,15 @@ def test_tinker_forward_backward_packs_datums_and_shares_their_prompts_exactly(p
     assert r["forward_passes"] < r["datums"] / 2, r  # packed: not one forward pass per datum
     assert r["loss"] == pytest.approx(r["loss_ref"], rel=LOSS_REL), r
     assert r["logp_diff"] <= 1e-5 and r["grad_rel_max"] <= GRAD_REL and r["grad_norm"] > 0, r
+
+
+def test_tinker_forward_packs_on_a_moe_model_with_a_trained_balance_loss(parity: dict) -> None:
+    """Routing is per token (top k, no dropping) and megatron adds the load-balancing loss only where a gradient is
+    taken: on a MoE model trained with that loss, a forward without backward packs its datums and gives the logprobs
+    and loss of one datum at a time; forward_backward still runs one datum per forward pass."""
+    r = parity["tinker_balance:qwen3-moe"]
+    assert r["forward_passes"] < r["datums"] / 2 and r["no_grads"], r
+    assert r["forward_backward_passes"] == r["datums"], r
+    assert r["logp_diff"] <= 1e-5 and r["logp_diff_backward"] <= 1e-5, r
+    assert r["loss"] == pytest.approx(r["loss_ref"], rel=LOSS_REL), r
+    assert r["loss_backward"] == pytest.approx(r["loss_ref"], rel=LOSS_REL), r
