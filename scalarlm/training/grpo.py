@@ -240,9 +240,10 @@ def rank_documents(docs: Sequence[Document], dp_size: int, max_len: int, share: 
 
     Without `share` (a trained MoE load-balancing loss): every `dp_size`-th row. With it: whole prompt units
     (`prompt_units`), so a group's rows share their prompt on one rank, not once per rank (at DP 8 a group of 8 rows
-    dealt one to a rank would share nothing). A unit costs its tokens with the prompt once; one larger than half a rank's share of the batch is halved (each
-    half computes the prompt again) until it is not, or is one row, and the units go largest first to the rank with
-    the fewest tokens so far, as the ranks wait for the slowest (`data.balance_units`)."""
+    dealt one to a rank would share nothing). A unit costs its tokens with the prompt once; one larger than half a
+    rank's share of the batch is halved (each half computes the prompt again) until it is not, or is one row, and the
+    units go largest first to the rank with the fewest tokens so far, as the ranks wait for the slowest
+    (`data.balance_units`)."""
     if not share or dp_size == 1:
         return [list(range(r, len(docs), dp_size)) for r in range(dp_size)]
 

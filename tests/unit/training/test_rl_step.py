@@ -15,7 +15,8 @@ MAX_LEN = 64
 def _rows() -> list[dict]:
     """Two groups of three: one scored alike (advantage 0), one spread; each group's prompt several tokens long."""
     rows = []
-    for prompt, rewards in (("What is two plus two? ", (1.0, 1.0, 1.0)), ("What is three plus three? ", (0.0, 1.0, 0.25))):
+    groups = (("What is two plus two? ", (1.0, 1.0, 1.0)), ("What is three plus three? ", (0.0, 1.0, 0.25)))
+    for prompt, rewards in groups:
         rows += [{"prompt": prompt, "completion": c, "reward": r} for c, r in zip((" 4", " four", " it is 4"), rewards)]
     return rows
 
