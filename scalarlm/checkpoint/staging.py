@@ -8,7 +8,10 @@ the same files as `checkpoints/step-N/` with `publish_step` (temp dir, fsync, re
 on, and announces again, so the catalog moves to the durable copy: that is what a restart or another host reads.
 Landings queue, one at a time in step order, so a step whose predecessor is still landing does not wait for it (on a
 GPU a large model's durable write can outlast an RL step); the trainer waits only when the staging directory runs out
-of room, or at a resume save, which needs its step durable.
+of room, or at a resume save, which needs its step durable. A step published only to serve the newest weights (a
+session step, a job's `steps_per_publish` step, not a `steps_per_checkpoint` one) is `supersedable`: if a newer step
+is staged before its landing starts, it is left out and the newer one lands, so a disk slower than the steps keeps a
+queue of at most one waiting step (and the staged copies it holds) instead of one that grows by a step per step.
 A kill during the landing leaves the previous durable step and a `step-N.tmp/` the next publish replaces, never a
 torn `step-N/`. The control plane removes staged copies once their durable copy has landed (`prune_staged`).
 """
@@ -23,6 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from scalarlm.checkpoint.jobdir import JobDir, atomic_write_text
@@ -175,10 +179,18 @@ def _room(root: Path) -> int:
     return shutil.disk_usage(folder).free
 
 
+@dataclass(eq=False)
+class _Landing:
+    staged: Path
+    manifest: CheckpointManifest
+    supersedable: bool
+
+
 class StagedPublisher:
     """Rank 0's publisher of full weights: `publish` stages and returns; a thread lands the staged steps durably, one
-    at a time in step order, calling `on_landed(step)` after each. `wait` blocks until every queued landing is done
-    and raises what one raised (then nothing after it lands: `latest` never skips a step).
+    at a time in step order, calling `on_landed(step)` after each, and leaves out a `supersedable` step that a newer
+    staged step has overtaken before its landing began. `wait` blocks until every queued landing is done and raises
+    what one raised (then nothing after it lands: `latest` never skips a step it was asked to keep).
 
     A step is staged only while the staging directory has room for two copies of `expected_bytes` (the base
     checkpoint's size; a container's /dev/shm is often 64 MiB, and vLLM needs some of it). Without room the queued
@@ -189,12 +201,14 @@ class StagedPublisher:
         self.job, self.root, self.on_landed = job, root, on_landed
         self.expected_bytes = expected_bytes
         self._lock = threading.Lock()
-        self._queue: deque[tuple[Path, CheckpointManifest]] = deque()
+        self._queue: deque[_Landing] = deque()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def publish(self, job: JobDir, manifest: CheckpointManifest, write: Callable[[Path], None]) -> Path:
-        """`publish_step`'s signature: stage step N now and queue its landing (or publish it durably)."""
+    def publish(self, job: JobDir, manifest: CheckpointManifest, write: Callable[[Path], None],
+                supersedable: bool = False) -> Path:  # fmt: skip
+        """`publish_step`'s signature: stage step N now and queue its landing (or publish it durably); with
+        `supersedable`, a newer step staged before this one's landing begins lands instead of it."""
         self._raise_error()
         if not self._has_room():
             self.wait()
@@ -210,7 +224,7 @@ class StagedPublisher:
             self.wait()  # `latest` moves forward only: the queued steps land first
             return publish_step(job, manifest, write)
         with self._lock:
-            self._queue.append((staged, manifest.model_copy()))
+            self._queue.append(_Landing(staged, manifest.model_copy(), supersedable))
             if len(self._queue) > 1:
                 logger.info("step %d staged; %d landings queued", manifest.step, len(self._queue))
             if self._thread is None:
@@ -228,10 +242,12 @@ class StagedPublisher:
                 if not self._queue:
                     self._thread = None
                     return
-                staged, manifest = self._queue[0]
+                self._leave_out_superseded()
+                landing = self._queue[0]
+            manifest = landing.manifest
             started = time.monotonic()
             try:
-                land_staged(self.job, staged, manifest)
+                land_staged(self.job, landing.staged, manifest)
             except BaseException as e:  # re-raised in the training thread; the later steps stay staged, unlanded
                 with self._lock:
                     self._error = e
@@ -242,6 +258,17 @@ class StagedPublisher:
                 self._queue.popleft()
             logger.info("landed step %d durably in %.2f s", manifest.step, time.monotonic() - started)
             self.on_landed(manifest.step)
+
+    def _leave_out_superseded(self) -> None:
+        """Drop every queued supersedable step but the newest queued one (the lock held). Its staged copy stays until
+        the control plane prunes it (`prune_staged`: a step at or below the durable `latest` with a newer one staged);
+        a worker reading it then has the files it opened."""
+        newest = self._queue[-1]
+        left_out = [landing for landing in self._queue if landing.supersedable and landing is not newest]
+        if left_out:
+            self._queue = deque(landing for landing in self._queue if landing not in left_out)
+            logger.info("steps %s superseded before they landed: landing step %d next",
+                        [landing.manifest.step for landing in left_out], self._queue[0].manifest.step)  # fmt: skip
 
     def wait(self) -> None:
         """Block until every queued landing is done; raise the error of one that failed."""

@@ -82,6 +82,8 @@ class TrainArgs(BaseModel):
     shuffle: bool = True
     # Publish a servable checkpoint every this many steps (None: every `steps_per_checkpoint`); resume state is
     # saved every `steps_per_checkpoint` steps, so a job can serve new weights often and save optimizer state rarely.
+    # On the serving host a published step is served from memory at once; one that is not a `steps_per_checkpoint`
+    # step (nor the last) keeps no durable copy if a newer step is published before its copy begins to land.
     steps_per_publish: int | None = Field(None, ge=1)
     loss: Literal["sft", "grpo", "dr_grpo"] = "sft"
     kl_coef: float = Field(0.0, ge=0)

@@ -7,7 +7,9 @@ the same Trainer, driven one request at a time by session_loop.py.
 Global batch (blocks per optimizer step) = batch_size * gradient_accumulation_steps * DP, where a block is one
 packed sequence of at most `max_seq_len` tokens (ScalarLM's `max_token_block_size` is the same length). bf16 on GPU
 unless `dtype` is float32; fp32 on CPU. Publishes a servable checkpoint every `steps_per_publish` steps (default:
-`steps_per_checkpoint`), saves resume state every `steps_per_checkpoint` steps, and does both at the end. A resumed
+`steps_per_checkpoint`), saves resume state every `steps_per_checkpoint` steps, and does both at the end (staged on
+the serving host, a `steps_per_publish` step that a newer one overtakes before its durable copy lands is served but
+never lands: checkpoint/staging.py; every `steps_per_checkpoint` step and the last one land). A resumed
 job does not publish again the steps its earlier run already published (it retrains them exactly), so the served
 version never moves back.
 """
@@ -167,8 +169,12 @@ class Trainer:
         extra = {"data": state, "tokens_seen": self.tokens_seen}
         save_state(self.job.state_dir, self.step, self.par, self.model, self.optimizer, extra)
 
-    def publish(self, loss: float | None) -> None:
-        """Collectively publish `checkpoints/step-<step>/` (full weights or a PEFT adapter); rank 0 notifies."""
+    def publish(self, loss: float | None, serving: bool = False) -> None:
+        """Collectively publish `checkpoints/step-<step>/` (full weights or a PEFT adapter); rank 0 notifies.
+
+        `serving`: published to serve the newest weights (a session step, a `steps_per_publish` step). Staged, such a
+        step is supersedable unless it is a `steps_per_checkpoint` step: a newer step staged before its durable copy
+        began to land lands instead of it (checkpoint/staging.py)."""
         manifest = CheckpointManifest(
             job_id=self.config.job_id,
             step=self.step,
@@ -180,7 +186,10 @@ class Trainer:
         if self.lora:
             self._publish_adapter(manifest)
         else:
-            publish = self.publisher.publish if self.publisher is not None else publish_step
+            publish = publish_step
+            if self.publisher is not None:
+                supersedable = serving and self.step % self.args.steps_per_checkpoint != 0
+                publish = partial(self.publisher.publish, supersedable=supersedable)
             publish_checkpoint(self.job, self.model, self.arch, self.par, self.base, self.base_config, manifest,
                                self.args.publish_dtype, publish)
         self.published = self.step
@@ -286,7 +295,7 @@ def run(
         if trainer.step >= args.max_steps:
             break
         if trainer.step % args.publish_every == 0 and trainer.step > trainer.published:
-            trainer.publish(loss)
+            trainer.publish(loss, serving=True)
         if trainer.step % args.steps_per_checkpoint == 0:
             trainer.save()
     trainer.publish(loss)

@@ -189,7 +189,7 @@ def _serve(trainer: "Trainer", files: SessionDir, k: int, on_step: Callable[[dic
     if threads:
         metrics["cpu_threads"] = threads
     on_step(metrics)
-    trainer.publish(metrics["loss"])
+    trainer.publish(metrics["loss"], serving=True)
     if trainer.par.is_main:
         files.write_result(k, SessionStepResult(
             step=trainer.step, version=trainer.step, loss=metrics["loss"], metrics=_plain(metrics), request=k,

@@ -119,6 +119,28 @@ def test_a_step_does_not_wait_for_the_previous_landing(job: JobDir, tmp_path: Pa
     assert (job.checkpoints_dir / "latest").read_text().strip() == "step-3"
 
 
+def test_a_supersedable_step_overtaken_before_its_landing_began_is_served_but_never_lands(
+    job: JobDir, tmp_path: Path
+) -> None:
+    """The landing queue keeps at most the newest supersedable step: a disk slower than the steps no longer builds
+    a queue (and staged copies) that grows by a step per step. A step not marked supersedable always lands."""
+    root = tmp_path / "shm"
+    held = HeldLandings()
+    publisher = StagedPublisher(job, root, held)
+    publisher.publish(job, manifest(1), weights(b"one"), supersedable=True)  # lands at once: the thread was idle
+    held.wait_for_first()
+    for step, supersedable in ((2, True), (3, True), (4, False), (5, True), (6, True)):
+        publisher.publish(job, manifest(step), weights(f"w{step}".encode()), supersedable=supersedable)
+        assert servable_step(job) == (step, root / "j" / f"step-{step}")  # each step serves once staged
+    held.release.set()
+    publisher.wait()
+    assert held.landed == [1, 4, 6] and list_steps(job) == [1, 4, 6] and latest_step(job) == 6
+    assert (job.step_dir(6) / "model.safetensors").read_bytes() == b"w6"
+    assert servable_step(job) == (6, job.step_dir(6))
+    assert prune_staged(job, root) == [1, 2, 3, 4, 5]  # the left-out copies go with the landed ones
+    assert [p.name for p in (root / "j").iterdir()] == ["step-6"]
+
+
 def test_the_landing_runs_at_the_lowest_cpu_priority_and_the_trainer_keeps_its_own(job: JobDir, tmp_path: Path) -> None:
     def nice() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
