@@ -7,6 +7,7 @@ runs the engine and the pull loop against the control plane's queue over HTTP.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import hmac
 import json
@@ -108,9 +109,12 @@ def create_worker_app(settings: Settings, worker: InProcessWorker | None = None)
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         source = HttpWorkSource(settings.server.api_url, key)
         await worker.start(source)
+        gc.collect()  # the engine front end lives as long as the worker: out of the collector's sight (app.py)
+        gc.freeze()
         try:
             yield
         finally:
+            gc.unfreeze()
             await worker.stop()
             await source.aclose()
 

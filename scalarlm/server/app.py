@@ -9,6 +9,7 @@ and training packages: engines are reached only through the protocols of `scalar
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -122,8 +123,14 @@ async def _running(state: ServerState, worker: EmbeddedWorker | None) -> AsyncIt
         )
         state.metrics.bind(queue, state.backend.load if state.backend is not None else None, state.queue.workers)
         logger.info("control plane ready: queue %s, %s", settings.queue_path, _describe(worker, settings))
+        # What start-up built (the engine front end, torch, vLLM) lives as long as the server: out of the garbage
+        # collector's sight, a full collection no longer stalls the event loop for a third of a second (as vLLM's
+        # own server does; docs/architecture.md, "Long-lived heap").
+        gc.collect()
+        gc.freeze()
         yield
     finally:
+        gc.unfreeze()  # an app embedded in a longer-lived process leaves its heap collectable again
         if housekeeping is not None:
             housekeeping.cancel()
             await asyncio.gather(housekeeping, return_exceptions=True)
