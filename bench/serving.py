@@ -1,6 +1,10 @@
 """Serving benchmark (issue 2): queued /v1/generate vs raw vLLM, OpenAI endpoint vs vLLM's server, 200k submit.
 
-Every ratio is measured in this one run on this box, with the same model, prompts and engine settings.
+Every ratio is measured in this one run on this box, with the same model, prompts and engine settings. Besides raw
+`LLM.generate` (the engine core in the caller's process, stepped by one thread), the queued path is also compared
+with vLLM's `AsyncLLM` driven alone (the engine our server runs: its core in a process of its own, outputs handled
+on an event loop), so `queue_vs_asyncllm` is what our queue costs and `asyncllm_vs_raw_vllm` what vLLM's async
+engine costs against the synchronous one on this box.
 """
 
 from __future__ import annotations
@@ -45,13 +49,51 @@ for _ in sys.stdin:  # one timed round per line
 """
 
 
+ASYNC_VLLM = r"""
+import asyncio, json, sys, time
+from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
+from scalarlm.config import load_settings
+from scalarlm.inference.engine import start_engine
+model, prompts, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+
+async def main():
+    llm = start_engine(load_settings(model=model)).llm  # the AsyncLLM `scalarlm serve --model` builds
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                        output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def one(request_id, prompt):
+        async for out in llm.generate(prompt, sp, request_id=request_id):
+            final = out
+        return len(final.outputs[0].token_ids)
+
+    async def round(tag):
+        return sum(await asyncio.gather(*(one(f"{tag}-{i}", p) for i, p in enumerate(prompts))))
+
+    await asyncio.gather(*(one(f"warm-{i}", p) for i, p in enumerate(prompts[:16])))
+    print("READY", flush=True)
+    loop, r = asyncio.get_running_loop(), 0
+    while await loop.run_in_executor(None, sys.stdin.readline):  # one timed round per line
+        r += 1
+        t = time.perf_counter()
+        tokens = await round(r)
+        print(json.dumps({"seconds": time.perf_counter() - t, "tokens": tokens}), flush=True)
+    llm.shutdown()
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
 class RawVllm:
     """`vllm.LLM.generate` on PROMPTS in its own process, built with our engine's flags; `round()` -> tokens/s.
+    With `script=ASYNC_VLLM`: vLLM's `AsyncLLM` (the engine our server runs, built by the same code), one
+    `generate` per prompt, all at once, as its own front ends drive it: vLLM's async engine without our queue.
 
     The process stays up (idle between rounds) so its rounds can interleave with the server's."""
 
-    def __init__(self, model: str) -> None:
-        argv = [python(), "-c", RAW_VLLM, model, json.dumps(PROMPTS), str(MAX_TOKENS)]
+    def __init__(self, model: str, script: str = RAW_VLLM) -> None:
+        argv = [python(), "-c", script, model, json.dumps(PROMPTS), str(MAX_TOKENS)]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True, env={**os.environ, **ENGINE_ENV})  # fmt: skip
         for line in self.proc.stdout:
@@ -91,17 +133,21 @@ def queued_generate(url: str) -> float:
     return sum(x["completion_tokens"] or 0 for x in res["results"]) / dt
 
 
-def queue_and_raw(url: str, model: str, rounds: int) -> tuple[float, float]:
-    """Best of `rounds` interleaved rounds each of raw vLLM and the queued path (tokens/s), both warmed up first:
-    a burst of other work on the shared box then costs both sides alike, and the best round of each is the one
-    least disturbed."""
+def queue_and_raw(url: str, model: str, rounds: int) -> tuple[float, float, float]:
+    """Best of `rounds` interleaved rounds each of raw vLLM, vLLM's AsyncLLM alone and the queued path (tokens/s),
+    all warmed up first: a burst of other work on the shared box then costs every side alike, and the best round of
+    each is the one least disturbed. The two engine processes stay idle while another side runs."""
     raw = RawVllm(model)
     try:
-        queued_generate(url)  # warm-up
-        pairs = [(raw.round(), queued_generate(url)) for _ in range(rounds)]
+        alone = RawVllm(model, ASYNC_VLLM)
+        try:
+            queued_generate(url)  # warm-up
+            rows = [(raw.round(), alone.round(), queued_generate(url)) for _ in range(rounds)]
+        finally:
+            alone.close()
     finally:
         raw.close()
-    return max(r for r, _ in pairs), max(q for _, q in pairs)
+    return tuple(max(row[i] for row in rows) for i in range(3))  # type: ignore[return-value]
 
 
 async def _openai_load(url: str, model: str, concurrency: int, total: int) -> float:
@@ -198,16 +244,21 @@ def main() -> None:
     port = free_port()
     with tempfile.TemporaryDirectory() as home, serve(model, home, port, logs / "scalarlm-serve.log") as srv:
         url = f"http://127.0.0.1:{port}"
-        raw, queued = queue_and_raw(url, model, args.rounds)
+        raw, alone, queued = queue_and_raw(url, model, args.rounds)
         their_port = free_port()  # vLLM's own server runs beside ours only for the interleaved OpenAI rounds
         with vllm_serve(model, their_port, logs / "vllm-serve.log"):
             ours_openai, theirs_openai = asyncio.run(openai_pair(url, f"http://127.0.0.1:{their_port}", name))
         figures.update(submit_many(url, srv.pid, args.big))
 
     figures["queue_vs_raw_vllm"] = round(queued / raw, 3)
+    figures["queue_vs_asyncllm"] = round(queued / alone, 3)
+    figures["asyncllm_vs_raw_vllm"] = round(alone / raw, 3)
     figures["openai_vs_vllm_serve"] = round(ours_openai / theirs_openai, 3)
     print(f"raw vllm.LLM.generate      {raw:9.0f} tok/s")
-    print(f"queued /v1/generate        {queued:9.0f} tok/s   ratio {figures['queue_vs_raw_vllm']} (target >= 0.95)")
+    print(f"vllm AsyncLLM.generate     {alone:9.0f} tok/s   ratio to raw {figures['asyncllm_vs_raw_vllm']} (vLLM's "
+          "async engine, no queue)")  # fmt: skip
+    print(f"queued /v1/generate        {queued:9.0f} tok/s   ratio {figures['queue_vs_raw_vllm']} (target >= 0.95); "
+          f"to AsyncLLM alone {figures['queue_vs_asyncllm']}")  # fmt: skip
     print(f"vllm api_server /v1/compl. {theirs_openai:9.0f} tok/s")
     print(f"scalarlm /v1/completions   {ours_openai:9.0f} tok/s   ratio {figures['openai_vs_vllm_serve']} (target >= 1.0)")
     print(f"200k submit: {figures['submit_200k_seconds']} s (target <= 10), RSS +{figures['submit_200k_rss_mb']} MB "
