@@ -11,7 +11,8 @@ GPU a large model's durable write can outlast an RL step); the trainer waits onl
 of room, or at a resume save, which needs its step durable. A step published only to serve the newest weights (a
 session step, a job's `steps_per_publish` step, not a `steps_per_checkpoint` one) is `supersedable`: if a newer step
 is staged before its landing starts, it is left out and the newer one lands, so a disk slower than the steps keeps a
-queue of at most one waiting step (and the staged copies it holds) instead of one that grows by a step per step.
+queue of at most one waiting step instead of one that grows by a step per step, and the staged copies in memory are
+those of the steps published during one landing (the left-out ones are pruned once a newer step has landed).
 A kill during the landing leaves the previous durable step and a `step-N.tmp/` the next publish replaces, never a
 torn `step-N/`. The control plane removes staged copies once their durable copy has landed (`prune_staged`).
 """
