@@ -64,7 +64,9 @@ def gather_tp_shards(model: torch.nn.Module, arch: ModelArch, par: Parallel) -> 
             dist.all_gather(parts, local, group=par.tp_group)
         if par.tp_rank == 0:
             for r, part in enumerate(parts):
-                shards[r][name] = part.cpu().clone()
+                # A copy the next optimizer step cannot change: from a GPU, `cpu()` is that copy (a clone after it
+                # would copy every byte a second time); on CPU, `clone()`.
+                shards[r][name] = part.clone() if part.device.type == "cpu" else part.cpu()
     return shards if par.tp_rank == 0 else None
 
 
