@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -83,28 +84,7 @@ def test_a_staged_copy_is_pruned_once_landed_and_superseded_or_after_the_grace(j
     assert not root.exists()
 
 
-class HeldLandings:
-    """An `on_landed` that records each landed step and holds the landing thread after step 1 until released, so
-    the steps published meanwhile queue behind it."""
-
-    def __init__(self) -> None:
-        self.landed: list[int] = []
-        self.release = threading.Event()
-
-    def __call__(self, step: int) -> None:
-        self.landed.append(step)
-        if step == 1:
-            self.release.wait(60)
-
-    def wait_for_first(self) -> None:
-        deadline = time.monotonic() + 30
-        while not self.landed and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert self.landed == [1]
-
-
-def test_a_step_does_not_wait_for_the_previous_landing(job: JobDir, tmp_path: Path) -> None:
-    held = HeldLandings()
+def test_a_step_does_not_wait_for_the_previous_landing(job: JobDir, tmp_path: Path, held: Any) -> None:
     publisher = StagedPublisher(job, tmp_path / "shm", held)
     staged = publisher.publish(job, manifest(1), weights(b"one"))
     assert servable_step(job) == (1, staged) and staged.exists()
@@ -120,12 +100,11 @@ def test_a_step_does_not_wait_for_the_previous_landing(job: JobDir, tmp_path: Pa
 
 
 def test_a_supersedable_step_overtaken_before_its_landing_began_is_served_but_never_lands(
-    job: JobDir, tmp_path: Path
+    job: JobDir, tmp_path: Path, held: Any
 ) -> None:
     """The landing queue keeps at most the newest supersedable step: a disk slower than the steps no longer builds
     a queue (and staged copies) that grows by a step per step. A step not marked supersedable always lands."""
     root = tmp_path / "shm"
-    held = HeldLandings()
     publisher = StagedPublisher(job, root, held)
     publisher.publish(job, manifest(1), weights(b"one"), supersedable=True)  # lands at once: the thread was idle
     held.wait_for_first()
@@ -154,8 +133,7 @@ def test_the_landing_runs_at_the_lowest_cpu_priority_and_the_trainer_keeps_its_o
     assert nice() == trainer and list_steps(job) == [1]
 
 
-def test_a_failed_landing_stops_the_queue_and_is_reported(job: JobDir, tmp_path: Path) -> None:
-    held = HeldLandings()
+def test_a_failed_landing_stops_the_queue_and_is_reported(job: JobDir, tmp_path: Path, held: Any) -> None:
     publisher = StagedPublisher(job, tmp_path / "shm", held)
     publisher.publish(job, manifest(1), weights(b"one"))
     held.wait_for_first()

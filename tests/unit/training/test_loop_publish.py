@@ -4,10 +4,9 @@ step. The model's export is stood in by a writer of a few bytes: what is under t
 
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -17,21 +16,8 @@ from scalarlm.training import loop
 from scalarlm.training.loop import Trainer
 
 
-class SlowFirstLanding:
-    """`on_landed` holding the landing thread after step 1 until released."""
-
-    def __init__(self) -> None:
-        self.landed: list[int] = []
-        self.release = threading.Event()
-
-    def __call__(self, step: int) -> None:
-        self.landed.append(step)
-        if step == 1:
-            self.release.wait(60)
-
-
 def test_serving_steps_are_supersedable_except_checkpoint_steps_and_other_publishes_always_land(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, held: Any
 ) -> None:
     def export(job, model, arch, par, base, base_config, manifest, dtype, publish):  # publish_checkpoint's arguments
         publish(job, manifest, lambda d: (d / "model.safetensors").write_bytes(b"w%d" % manifest.step))
@@ -39,7 +25,6 @@ def test_serving_steps_are_supersedable_except_checkpoint_steps_and_other_publis
     monkeypatch.setattr(loop, "publish_checkpoint", export)
     job = JobDir.under(tmp_path / "jobs", "j")
     job.create()
-    held = SlowFirstLanding()
     trainer = SimpleNamespace(
         config=SimpleNamespace(job_id="j", base_model="base"), args=SimpleNamespace(
             steps_per_checkpoint=3, adapter_type="full", publish_dtype="source"),
@@ -51,9 +36,7 @@ def test_serving_steps_are_supersedable_except_checkpoint_steps_and_other_publis
         trainer.step = step
         Trainer.publish(trainer, None, serving=serving)
         if step == 1:
-            deadline = time.monotonic() + 30
-            while not held.landed and time.monotonic() < deadline:
-                time.sleep(0.01)
+            held.wait_for_first()
     held.release.set()
     trainer.publisher.wait()
     # 1: landing when the rest were published; 3 and 6: checkpoint steps; 5: not a serving publish (e.g. a Tinker
