@@ -74,6 +74,7 @@ def one_datum_at_a_time(model, data: list[dict]) -> None:
 
 
 def main() -> None:
+    from scalarlm.protocol.training import TrainArgs
     from scalarlm.training.launch_env import launch_env_from
     from scalarlm.training.parallel import init_parallel, shutdown_parallel
     from scalarlm.training.tinker_ops import forward_backward
@@ -84,7 +85,7 @@ def main() -> None:
         model, arch = load_model(model_dir)
         trainer = SimpleNamespace(ddp=model, par=SimpleNamespace(device=torch.device("cpu"), dp_rank=0, dp_size=1),
                                   arch=arch, max_len=512,
-                                  args=SimpleNamespace(moe_aux_loss_coef=0.0))  # fmt: skip
+                                  args=TrainArgs())  # fmt: skip
         figures = {}
         for prompt_len in PROMPT_LENGTHS:
             data = datums(prompt_len, arch.vocab_size)

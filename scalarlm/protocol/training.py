@@ -140,6 +140,12 @@ class TrainArgs(BaseModel):
         """Steps between published checkpoints."""
         return self.steps_per_publish or self.steps_per_checkpoint
 
+    @property
+    def trains_balance_loss(self) -> bool:
+        """A MoE load-balancing loss is trained: its value depends on every token a forward pass holds (so rows that
+        share a prompt cannot compute it once, and a datum is its own forward pass when a gradient is taken)."""
+        return self.moe_aux_loss_coef > 0
+
 
 def _refuse_unsupported(args: TrainArgs) -> None:
     """Settings the trainer would otherwise accept and not honour: refused, naming the field and what to send."""

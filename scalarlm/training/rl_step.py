@@ -71,9 +71,8 @@ def rl_batch(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> RLBatch:
     tokens = sum(len(d.doc.tokens) for d in docs)
     weights = token_weights(docs, args.loss)
     skipped = stats["rows_skipped"] = 0
-    # A trained MoE load-balancing loss (moe_aux_loss_coef > 0) depends on every token a forward pass holds; without
-    # one the balance meter only reports, over the tokens computed.
-    every_token = args.moe_aux_loss_coef > 0
+    # Without a trained balance loss the balance meter only reports, over the tokens computed.
+    every_token = args.trains_balance_loss
     if args.kl_coef == 0 and not every_token:  # nothing but the clipped objective reads a row's tokens
         docs, weights, stats["rows_skipped"], skipped = with_gradient(docs, weights)
     # Rows with the same prompt compute it once (exact), unless a load-balancing loss counts every row's tokens.

@@ -79,7 +79,7 @@ def run_step(trainer: "Trainer", micro_batches: Sequence[MicroBatch], loss_fn: L
     trainer.optimizer.zero_grad()
     sums = torch.zeros(n_stats, dtype=torch.float64, device=par.device)
     balance = trainer.balance
-    if balance is not None and trainer.args.moe_aux_loss_coef > 0:
+    if balance is not None and trainer.args.trains_balance_loss:
         aux_loss_scale(_global_tokens(micro_batches, par))
     last = len(micro_batches) - 1
     for i, micro in enumerate(micro_batches):

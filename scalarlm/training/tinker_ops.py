@@ -235,11 +235,10 @@ def forward_backward(trainer: "Trainer", request: dict[str, Any], backward: bool
     start = time.perf_counter()
     par = trainer.par
     trainer.ddp.train()
-    # Tokens per forward, as a GRPO micro-batch's. A trained MoE load-balancing loss (moe_aux_loss_coef > 0) depends on
-    # which tokens a forward holds (and would count a shared prompt once): then a datum per forward pass when its
-    # gradient is taken. A forward without backward packs still: routing is per token (top k, no token dropping) and
+    # Tokens per forward, as a GRPO micro-batch's; a datum per forward pass when a trained balance loss takes its
+    # gradient. A forward without backward packs still: routing is per token (top k, no token dropping) and
     # megatron adds the loss only where gradients are enabled, so the logprobs are the same.
-    packed = trainer.args.moe_aux_loss_coef == 0 or not backward
+    packed = not trainer.args.trains_balance_loss or not backward
     budget = trainer.max_len * MIN_ROWS_PER_MICRO if packed else 0
 
     def units_of(rows: list[int]) -> list[list[int]]:

@@ -127,10 +127,12 @@ def tinker_datums(tokenizer) -> list[dict]:
 
 def _stand_in(model, tokenizer, aux_loss_coef: float = 0.0) -> SimpleNamespace:
     """What tinker_ops.forward_backward reads of a Trainer, around `model` on one rank."""
+    from scalarlm.protocol.training import TrainArgs
+
     model.no_sync = contextlib.nullcontext  # what forward_backward calls on the DDP wrapper (one rank: no sync)
     return SimpleNamespace(ddp=model, par=SimpleNamespace(device=torch.device("cpu"), dp_rank=0, dp_size=1),
                            arch=SimpleNamespace(vocab_size=len(tokenizer)), max_len=16,
-                           args=SimpleNamespace(moe_aux_loss_coef=aux_loss_coef))  # fmt: skip
+                           args=TrainArgs(moe_aux_loss_coef=aux_loss_coef))  # fmt: skip
 
 
 def _one_datum_at_a_time(model, data: list[dict], loss_fn: str, backward: bool) -> tuple[float, list[torch.Tensor]]:

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from scalarlm.protocol.training import TrainArgs
 from scalarlm.training.rl_step import rl_batch
 
 MAX_LEN = 64
@@ -24,7 +25,7 @@ def _rows() -> list[dict]:
 def _trainer(tiny_model_dir: Path, kl_coef: float, aux_loss_coef: float) -> SimpleNamespace:
     from transformers import AutoTokenizer
 
-    args = SimpleNamespace(loss="grpo", kl_coef=kl_coef, moe_aux_loss_coef=aux_loss_coef, batch_size=1)
+    args = TrainArgs(loss="grpo", kl_coef=kl_coef, moe_aux_loss_coef=aux_loss_coef, batch_size=1)
     par = SimpleNamespace(dp_size=1, dp_rank=0, ep_size=1)
     return SimpleNamespace(args=args, par=par, tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir),
                            max_len=MAX_LEN, pad_id=0, routing=None)  # fmt: skip
