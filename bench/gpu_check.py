@@ -13,11 +13,13 @@ transformers and CUDA torch are installed. It needs no vLLM and no network. Step
    with bf16 autocast, fused AdamW, SDPA attention), timed per step the same way.
 5. Resume: the same job again, stopped by the shutdown marker (state saved) and relaunched; its losses after the
    resume are compared with the uninterrupted run.
+6. GRPO: a full-weight GRPO job on the same model (`--batch` groups of GRPO_GROUP completions per step, each
+   group's prompt computed once, padding-free), `--grpo-steps` steps, publishing at its last step.
 
 Prints one JSON line: tokens/s and MFU of both sides (MFU = (6 N + 6 L H s) tokens/s over the bf16 matmul peak
 measured in this process; N the matmul parameters, L layers, H the attention width, s the mean document
 length, the attention span of both sides), the optimizer the trainer used, the checkpoint publish time, the
-resume check. Without CUDA it prints a line saying so and exits 0 (`--cpu-smoke` runs the same plumbing on a
+resume check, and the GRPO job's step time, tokens/s and losses. Without CUDA it prints a line saying so and exits 0 (`--cpu-smoke` runs the same plumbing on a
 tiny model on CPU, for tests; its figures mean nothing).
 """
 
@@ -47,6 +49,7 @@ TINY = dict(QWEN3_0_6B, vocab_size=4096, hidden_size=128, intermediate_size=256,
 WORDS = 4000
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 WARMUP_STEPS = 3  # steps left out of the per-step medians (allocator, cuBLAS heuristics, first NCCL calls)
+GRPO_GROUP = 8  # completions per prompt in the GRPO job
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -56,6 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temporary one)")
+    p.add_argument("--grpo-steps", type=int, default=10, help="steps of the GRPO job (0: no GRPO job)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU: checks the plumbing only")
     p.add_argument("--trainer-timeout", type=float, default=240.0, help="seconds one trainer run may take")
     return p.parse_args(argv)
@@ -122,19 +126,36 @@ def write_rows(path: Path, count: int, seq_len: int) -> int:
     return total + 2
 
 
+def write_grpo_rows(path: Path, groups: int, seq_len: int) -> None:
+    """`groups` GRPO groups of GRPO_GROUP scored completions: a prompt of a quarter block, completions of an eighth
+    to half a block, rewards uniform in [0, 1)."""
+    import random
+
+    rng = random.Random(1)
+    words = lambda n: " ".join(f"w{rng.randrange(WORDS)}" for _ in range(n))  # noqa: E731
+    with path.open("w") as f:
+        for _ in range(groups):
+            prompt = words(seq_len // 4)
+            for _ in range(GRPO_GROUP):
+                completion = words(rng.randrange(seq_len // 8, seq_len // 2))
+                f.write(json.dumps({"prompt": prompt, "completion": completion, "reward": rng.random()}) + "\n")
+
+
 # ---- scalarlm's trainer ------------------------------------------------------------------------------
 
 
-def write_job(job_dir: Path, model_dir: Path, dataset: Path, args: argparse.Namespace, job_id: str) -> None:
+def write_job(job_dir: Path, model_dir: Path, dataset: Path, args: argparse.Namespace, job_id: str,
+              **overrides: Any) -> None:  # fmt: skip
     """jobs/<id>/ as the control plane writes it: job.yaml (a validated TrainJobConfig) and dataset.jsonl."""
     from scalarlm.checkpoint import JobDir
     from scalarlm.protocol.training import TrainArgs, TrainJobConfig
 
-    train_args = TrainArgs(
-        max_steps=args.steps, learning_rate=args.lr, batch_size=args.batch, adapter_type="full",
-        dtype="float32" if args.cpu_smoke else "bfloat16", gpus=0 if args.cpu_smoke else 1, max_seq_len=args.seq_len,
-        lr_schedule="constant", steps_per_checkpoint=args.steps // 2, shuffle=True, seed=0,
-    )  # fmt: skip
+    train_args = TrainArgs(**{
+        "max_steps": args.steps, "learning_rate": args.lr, "batch_size": args.batch, "adapter_type": "full",
+        "dtype": "float32" if args.cpu_smoke else "bfloat16", "gpus": 0 if args.cpu_smoke else 1,
+        "max_seq_len": args.seq_len, "lr_schedule": "constant", "steps_per_checkpoint": args.steps // 2,
+        "shuffle": True, "seed": 0, **overrides,
+    })  # fmt: skip
     job = JobDir(job_dir)
     job.create()
     job.write_config(TrainJobConfig(job_id=job_id, base_model=str(model_dir), train_args=train_args,
@@ -237,6 +258,30 @@ def resume(work: Path, model_dir: Path, dataset: Path, args: argparse.Namespace,
         "max_loss_diff_vs_uninterrupted": max(diffs) if diffs else None,
         "restart_to_first_step_s": float(rows[-len(after)]["time"]) - float(rows[-len(after)]["step_seconds"])
         - second["started"] if after else None,
+    }  # fmt: skip
+
+
+def grpo(work: Path, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """A full-weight GRPO job: per-step time, its rows' tokens per second (each row's prompt and completion, as a
+    trainer without prompt sharing computes them: the GRPO `tokens` metric), losses."""
+    import math
+
+    job_dir = work / "jobs" / "grpo"
+    dataset = work / "grpo_rows.jsonl"
+    write_grpo_rows(dataset, args.grpo_steps * args.batch, args.seq_len)
+    write_job(job_dir, model_dir, dataset, args, "gpu-check-grpo", loss="grpo", max_steps=args.grpo_steps,
+              steps_per_checkpoint=args.grpo_steps)  # fmt: skip
+    run = run_trainer(job_dir, args.trainer_timeout)
+    rows = metrics(job_dir)
+    timed = rows[WARMUP_STEPS:] or rows
+    step_s = statistics.median(r["step_seconds"] for r in timed)
+    tokens = statistics.median(r["tokens"] for r in timed)
+    shutil.rmtree(job_dir / "state", ignore_errors=True)
+    return {
+        "status": run["status"], "steps": len(rows), "step_s": step_s, "row_tokens_per_step": tokens,
+        "row_tokens_per_s": tokens / step_s, "losses_finite": all(math.isfinite(r["loss"]) for r in rows),
+        "losses": [r["loss"] for r in rows], "publish_s": publish_seconds(job_dir, args.grpo_steps),
+        "wall_s": run["wall_s"],
     }  # fmt: skip
 
 
@@ -368,9 +413,11 @@ def main(argv: list[str] | None = None) -> int:
     mine = ours(work, model_dir, dataset, args)
     baseline = hf_trainer(work, model_dir, dataset, args)
     resumed = resume(work, model_dir, dataset, args, mine.pop("losses"))
+    rl = grpo(work, model_dir, args) if args.grpo_steps else None
     report = {
         "ok": mine["optimizer"] == ("torch-adamw" if args.cpu_smoke else "megatron-distributed")
-        and resumed["final_status"] == "COMPLETED" and resumed["steps_after_resume"],
+        and resumed["final_status"] == "COMPLETED" and resumed["steps_after_resume"]
+        and (rl is None or (rl["status"] == "COMPLETED" and rl["steps"] == args.grpo_steps and rl["losses_finite"])),
         "check": "cpu-smoke (plumbing only; figures mean nothing)" if args.cpu_smoke else "gpu",
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu_smoke else "cpu",
@@ -384,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         "hf_trainer": {**baseline, "mfu": mfu(baseline["tokens_per_s"], facts, doc_len, peak)},
         "tokens_per_s_ratio": mine["tokens_per_s"] / baseline["tokens_per_s"],
         "resume": resumed,
+        "grpo": rl,
         "build_s": built - started,
         "total_s": time.time() - started,
     }  # fmt: skip

@@ -51,7 +51,7 @@ def test_without_cuda_the_check_skips_cleanly():
 @pytest.mark.slow
 def test_cpu_smoke_runs_the_whole_plumbing(tmp_path):
     args = [sys.executable, "-m", "bench.gpu_check", "--cpu-smoke", "--steps", "6", "--batch", "2",
-            "--seq-len", "256", "--work", str(tmp_path)]  # fmt: skip
+            "--seq-len", "256", "--grpo-steps", "4", "--work", str(tmp_path)]  # fmt: skip
     code, report, out = _run(args, timeout=900)
     assert code == 0 and report["ok"], out
     assert report["scalarlm"]["optimizer"] == "torch-adamw"  # CPU: the GPU run needs megatron's
@@ -59,6 +59,11 @@ def test_cpu_smoke_runs_the_whole_plumbing(tmp_path):
     resume = report["resume"]
     assert resume["stopped_status"] == "QUEUED" and resume["final_status"] == "COMPLETED"
     assert resume["max_loss_diff_vs_uninterrupted"] < 1e-4  # fp32 on CPU: the same curve
+    grpo = report["grpo"]
+    assert grpo["status"] == "COMPLETED" and grpo["steps"] == 4 and grpo["losses_finite"]
+    # 2 groups of 8 rows per step, each row a quarter block of prompt and an eighth to half a block of completion
+    assert 16 * (256 // 4 + 256 // 8) <= grpo["row_tokens_per_step"] <= 16 * (256 // 4 + 256 // 2 + 2)
+    assert grpo["publish_s"] >= 0 and (tmp_path / "jobs" / "grpo" / "checkpoints" / "step-4").is_dir()
 
 
 @pytest.mark.gpu
@@ -68,3 +73,4 @@ def test_gpu_check_on_cuda():
     assert code == 0 and report["ok"] and report["check"] == "gpu", out
     assert report["scalarlm"]["optimizer"] == "megatron-distributed"
     assert report["resume"]["steps_after_resume"] and report["total_s"] < 8 * 60
+    assert report["grpo"]["losses_finite"] and report["grpo"]["steps"] == 10
