@@ -19,8 +19,8 @@ transformers and CUDA torch are installed. It needs no vLLM and no network. Step
 Prints one JSON line: tokens/s and MFU of both sides (MFU = (6 N + 6 L H s) tokens/s over the bf16 matmul peak
 measured in this process; N the matmul parameters, L layers, H the attention width, s the mean document
 length, the attention span of both sides), the optimizer the trainer used, the checkpoint publish time, the
-resume check, and the GRPO job's step time, tokens/s and losses. Without CUDA it prints a line saying so and exits 0 (`--cpu-smoke` runs the same plumbing on a
-tiny model on CPU, for tests; its figures mean nothing).
+resume check, and the GRPO job's step time, its rows' tokens/s and losses. Without CUDA it prints a line saying so
+and exits 0 (`--cpu-smoke` runs the same plumbing on a tiny model on CPU, for tests; its figures mean nothing).
 """
 
 from __future__ import annotations
