@@ -45,8 +45,8 @@ def gather_experts(model: torch.nn.Module, arch: ModelArch, par: Parallel) -> di
 
 def gather_tp_shards(model: torch.nn.Module, arch: ModelArch, par: Parallel) -> list[dict[str, Tensor]] | None:
     """Every TP rank's parameters (on CPU) under the whole model's names, collected on TP rank 0 of DP rank 0;
-    None on other ranks. On a CPU rank TP rank 0's own tensors are its parameters: write them before the next
-    optimizer step.
+    None on other ranks. On CPU, TP rank 0's own entries are its live parameters (no copy): write them before the
+    next optimizer step, as `publish_checkpoint` does.
 
     Only the first DP replica takes part in the TP gather (the others hold identical weights); every rank first
     takes part in the expert gather (an EP group spans DP replicas).
