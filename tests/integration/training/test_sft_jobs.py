@@ -170,7 +170,9 @@ def test_shutdown_stop_under_mpirun_queues_the_job_and_its_resume_matches(
 ) -> None:
     """What a control plane's SIGTERM does to a 2-rank local job: the marker alone (mpirun would SIGKILL ranks
     1 s after forwarding a signal) stops both ranks with their state saved; the restart's reconcile resumes it."""
-    settings = Settings(home=tmp_path / "home", model=str(tiny_model_dir), server={"port": 0})
+    # Staged under tmp_path: no control plane runs here to remove the staged copies (`staging_cleared`).
+    settings = Settings(home=tmp_path / "home", model=str(tiny_model_dir), server={"port": 0},
+                        training={"staging_dir": str(tmp_path)})  # fmt: skip
     launcher = LocalLauncher(settings)
     job = make_job(jobs_root, "shutdown-dp2", tiny_model_dir, rows(), **DP2_ARGS)
     launcher.submit(job, job.read_config())
