@@ -121,9 +121,14 @@ def write_rows(path: Path, count: int, seq_len: int) -> int:
     prompt = total // 8
     with path.open("w") as f:
         for _ in range(count):
-            words = [f"w{rng.randrange(WORDS)}" for _ in range(total)]
+            words = random_words(rng, total)
             f.write(json.dumps({"input": " ".join(words[:prompt]), "output": " ".join(words[prompt:])}) + "\n")
     return total + 2
+
+
+def random_words(rng: Any, n: int) -> list[str]:
+    """`n` words of the tokenizer's vocabulary (one token each), drawn from `rng`."""
+    return [f"w{rng.randrange(WORDS)}" for _ in range(n)]
 
 
 def write_grpo_rows(path: Path, groups: int, seq_len: int) -> None:
@@ -132,12 +137,11 @@ def write_grpo_rows(path: Path, groups: int, seq_len: int) -> None:
     import random
 
     rng = random.Random(1)
-    words = lambda n: " ".join(f"w{rng.randrange(WORDS)}" for _ in range(n))  # noqa: E731
     with path.open("w") as f:
         for _ in range(groups):
-            prompt = words(seq_len // 4)
+            prompt = " ".join(random_words(rng, seq_len // 4))
             for _ in range(GRPO_GROUP):
-                completion = words(rng.randrange(seq_len // 8, seq_len // 2))
+                completion = " ".join(random_words(rng, rng.randrange(seq_len // 8, seq_len // 2)))
                 f.write(json.dumps({"prompt": prompt, "completion": completion, "reward": rng.random()}) + "\n")
 
 
@@ -192,6 +196,12 @@ def metrics(job_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def steady(rows: list[dict[str, Any]]) -> tuple[float, float]:
+    """Median seconds and tokens per step, the first WARMUP_STEPS left out (all of them in a shorter run)."""
+    timed = rows[WARMUP_STEPS:] or rows
+    return statistics.median(r["step_seconds"] for r in timed), statistics.median(r["tokens"] for r in timed)
+
+
 def last_step(job_dir: Path) -> int:
     rows = metrics(job_dir)
     return int(rows[-1]["step"]) if rows else 0
@@ -221,9 +231,7 @@ def ours(work: Path, model_dir: Path, dataset: Path, args: argparse.Namespace) -
     write_job(job_dir, model_dir, dataset, args, "gpu-check-ours")
     run = run_trainer(job_dir, args.trainer_timeout)
     rows = metrics(job_dir)
-    timed = rows[WARMUP_STEPS:] or rows
-    step_s = statistics.median(r["step_seconds"] for r in timed)
-    tokens = statistics.median(r["tokens"] for r in timed)
+    step_s, tokens = steady(rows)
     first_step_start = float(rows[0]["time"]) - float(rows[0]["step_seconds"])
     result = {
         "tokens_per_s": tokens / step_s,
@@ -273,9 +281,7 @@ def grpo(work: Path, model_dir: Path, args: argparse.Namespace) -> dict[str, Any
               steps_per_checkpoint=args.grpo_steps)  # fmt: skip
     run = run_trainer(job_dir, args.trainer_timeout)
     rows = metrics(job_dir)
-    timed = rows[WARMUP_STEPS:] or rows
-    step_s = statistics.median(r["step_seconds"] for r in timed)
-    tokens = statistics.median(r["tokens"] for r in timed)
+    step_s, tokens = steady(rows)
     shutil.rmtree(job_dir / "state", ignore_errors=True)
     return {
         "status": run["status"], "steps": len(rows), "step_s": step_s, "row_tokens_per_step": tokens,
