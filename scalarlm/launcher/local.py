@@ -32,8 +32,8 @@ from scalarlm.launcher.base import (
     write_record,
 )
 from scalarlm.launcher.process import is_alive, signal_group, start_ticks
-from scalarlm.protocol.errors import EngineUnavailable
-from scalarlm.protocol.training import TrainJobConfig
+from scalarlm.protocol.errors import EngineUnavailable, InvalidRequest
+from scalarlm.protocol.training import TrainArgs, TrainJobConfig
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,9 @@ class LocalLauncher:
 
     def submit(self, job: JobDir, config: TrainJobConfig) -> str:
         """Start the job's processes now when a slot is free (`training.max_running_jobs`, and this node's GPUs for a
-        GPU job); else record it as waiting, QUEUED, for `admit` to start in submission order."""
+        GPU job); else record it as waiting, QUEUED, for `admit` to start in submission order. InvalidRequest for
+        a job no slot could ever take (it would wait for ever, and hold back every job submitted after it)."""
+        self._check_fits(config.train_args)
         busy = self._busy(job.job_id)
         if busy is not None:
             write_record(job, LaunchRecord(launcher="local", launcher_id=WAITING, submitted=time.time()))
@@ -126,6 +128,16 @@ class LocalLauncher:
             logger.info("job %s: waiting for a free trainer slot: %s", job.job_id, busy)
             return WAITING
         return self._start(job, config)
+
+    def _check_fits(self, args: TrainArgs) -> None:
+        """InvalidRequest unless this node can run the job: its ranks all run here."""
+        per_node = self.settings.training.gpus_per_node
+        if args.nodes > 1:
+            raise InvalidRequest(f"nodes {args.nodes}: the local launcher runs a job's ranks on this one node; use "
+                                 "the slurm launcher (train arg launcher 'slurm') for more nodes", param="nodes")
+        if args.gpus and per_node and args.gpus > per_node:
+            raise InvalidRequest(f"gpus {args.gpus} exceeds the {per_node} GPUs of this node "
+                                 "(training.gpus_per_node)", param="gpus")  # fmt: skip
 
     def _slots(self) -> tuple[list[tuple[JobDir, LaunchRecord]], list[tuple[JobDir, int]]]:
         """This launcher's jobs that are not finished: those waiting (oldest first) and those running (with

@@ -8,9 +8,10 @@ An SFT row is one JSON object per line in one of three shapes:
 * chat: ``{"messages": [{"role": str, "content": str}, ...]}`` with at least one ``assistant`` turn --
   rendered with the model's chat template, loss on the assistant turns.
 
-Other keys are allowed and ignored (they carry e.g. rewards for later loss kinds). Blank lines are skipped.
-A GRPO row (`loss` "grpo" / "dr_grpo") is an `RLRow`: exactly one of ``prompt`` or ``messages`` (a chat prompt,
-rendered with the template's generation prompt), a ``completion`` and a ``reward``.
+Other keys are allowed and ignored, except ``reward``: an SFT loss would train on every completion whatever its
+reward, so a scored row is refused there (a job whose rows carry rewards and that names no `loss` trains GRPO).
+Blank lines are skipped. A GRPO row (`loss` "grpo" / "dr_grpo") is an `RLRow`: exactly one of ``prompt`` or
+``messages`` (a chat prompt, rendered with the template's generation prompt), a ``completion`` and a ``reward``.
 Every error names the line and the field: ``dataset line 3: field 'messages[0].role' ...``.
 """
 
@@ -86,6 +87,10 @@ def _json_object(text: str, line: int) -> dict[str, Any]:
 def row_from_object(obj: dict[str, Any], line: int, where: str | None = None, param: str = "dataset") -> Row:
     """Validate one decoded SFT row and return it as a Row; errors name `where` (default: its 1-based line)."""
     where = where or f"dataset line {line}"
+    if "reward" in obj:
+        raise _bad(where, "field 'reward' is for an RL loss, and this job's loss is 'sft', which would train on "
+                   "every completion whatever its reward: send train arg loss 'grpo' or 'dr_grpo' (a job that "
+                   "names no loss trains GRPO on rows with a 'reward'), or drop 'reward' to fine-tune on them", param)
     if "messages" in obj:
         return Row(line=line, messages=check_messages(obj["messages"], where, param=param))
     for prompt_key, completion_key in (("input", "output"), ("prompt", "completion")):
@@ -131,6 +136,34 @@ def check_step_row(index: int, obj: Any) -> None:
         row_from_object(obj, index + 1, where, param="rows")
     else:
         raise _bad(where, f"must be a JSON object, got {type(obj).__name__}", "rows")
+
+
+def check_step_rows(rows: list[Any], loss: str) -> None:
+    """Every row of an RL session step (`check_step_row`), of the kind the session's `loss` trains: scored rows for
+    an RL loss, SFT rows for 'sft'. A row of the other kind is refused, never trained another way (an SFT step on
+    scored rows would train every completion whatever its reward; a scored step cannot train a row with no score)."""
+    rl = loss != "sft"
+    for i, row in enumerate(rows):
+        check_step_row(i, row)
+        if rl and "reward" not in row:
+            raise _bad(f"rows[{i}]", f"field 'reward' is required: this session trains loss {loss!r} on scored "
+                       "completions; SFT rows need a session created with train arg loss 'sft'", "rows")  # fmt: skip
+        if not rl and "reward" in row:
+            raise _bad(f"rows[{i}]", "field 'reward' needs an RL loss, and this session was created with loss 'sft', "
+                       "which would train on every completion whatever its reward: create the session with train "
+                       "arg loss 'grpo' (the default) or 'dr_grpo'", "rows")  # fmt: skip
+
+
+def first_row_scored(path: str | Path) -> bool:
+    """Whether a JSONL dataset's first row carries a `reward` (False when it cannot be read as an object: the row
+    checks say why)."""
+    for line, text in _lines(path):
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError:
+            return False
+        return isinstance(obj, dict) and "reward" in obj
+    return False
 
 
 def _lines(path: str | Path) -> Iterator[tuple[int, str]]:

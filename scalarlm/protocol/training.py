@@ -18,6 +18,9 @@ StalePolicy = Literal["refuse", "reweight"]
 TERMINAL_STATES: frozenset[str] = frozenset({"COMPLETED", "FAILED", "CANCELLED"})
 
 
+MAX_STEPS = 10_000_000  # the most `max_steps` a job may ask for (an RL session that names none is open-ended)
+
+
 def check_name(value: str, what: str = "name") -> str:
     """Return `value` if it is a safe job id / model name, else raise ValueError saying why."""
     if not NAME_PATTERN.match(value) or ".." in value:
@@ -43,7 +46,7 @@ class TrainArgs(BaseModel):
 
     # ScalarLM JobConfig keys.
     llm_name: str | None = None
-    max_steps: int = Field(100, ge=1, le=10_000_000)
+    max_steps: int = Field(100, ge=1, le=MAX_STEPS)
     learning_rate: float = Field(3e-4, gt=0, le=10)
     batch_size: int = Field(1, ge=1, le=65_536)
     gradient_accumulation_steps: int = Field(1, ge=1, le=65_536)

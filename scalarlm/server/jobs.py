@@ -37,7 +37,7 @@ from scalarlm.launcher import (
 )
 from scalarlm.launcher.model_check import check_base_model
 from scalarlm.protocol.errors import Conflict, EngineUnavailable, InvalidRequest, NotFound, ScalarLMError
-from scalarlm.protocol.rows import summarize_dataset
+from scalarlm.protocol.rows import first_row_scored, summarize_dataset
 from scalarlm.protocol.training import (
     NAME_PATTERN,
     DeleteJobResponse,
@@ -58,9 +58,8 @@ def new_job_id() -> str:
     return f"job-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(4)}"
 
 
-def parse_train_args(params: str | dict[str, Any] | None, training: TrainingSettings) -> TrainArgs:
-    """Validate train args, with the resources a submission leaves out taken from the server's `training` settings;
-    400 naming the unknown key or the field with a wrong value."""
+def train_params(params: str | dict[str, Any] | None) -> dict[str, Any]:
+    """The submitted train args as a dict (JSON text decoded); 400 unless they are a JSON object."""
     if isinstance(params, str):
         try:
             params = json.loads(params) if params.strip() else {}
@@ -70,10 +69,35 @@ def parse_train_args(params: str | dict[str, Any] | None, training: TrainingSett
         params = {}
     if not isinstance(params, dict):
         raise InvalidRequest("params must be a JSON object of train args", param="params")
+    return params
+
+
+def parse_train_args(params: str | dict[str, Any] | None, training: TrainingSettings) -> TrainArgs:
+    """Validate train args, with the resources a submission leaves out taken from the server's `training` settings;
+    400 naming the unknown key or the field with a wrong value."""
     try:
-        return TrainArgs.model_validate(with_cluster_defaults(params, training))
+        return TrainArgs.model_validate(with_cluster_defaults(train_params(params), training))
     except ValidationError as e:
         raise _describe(e) from None
+
+
+def args_before_rows(params: dict[str, Any], training: TrainingSettings) -> TrainArgs:
+    """A job's args checked before its rows are read: without a `loss` the rows choose it (GRPO when they carry a
+    `reward`), so they are checked as GRPO's, which accepts every SFT setting and GRPO's own; `submit` checks them
+    again with the loss the rows chose."""
+    return parse_train_args(params if "loss" in params else {**params, "loss": "grpo"}, training)
+
+
+def check_servable(args: TrainArgs, settings: Settings) -> None:
+    """InvalidRequest for a LoRA adapter of a higher rank than this server's engine loads (`engine.max_lora_rank`,
+    vLLM's --max-lora-rank): it would train, then fail every request for it."""
+    engine = settings.engine
+    r = args.lora_config.r
+    if args.adapter_type == "lora" and engine.enable_lora and r > engine.max_lora_rank:
+        raise InvalidRequest(f"lora_config.r {r} is above this server's engine.max_lora_rank {engine.max_lora_rank}, "
+                             "so its engine could not load the adapter to serve it: send r <= "
+                             f"{engine.max_lora_rank}, or start the server with engine.max_lora_rank >= {r} "
+                             "(SCALARLM_ENGINE__MAX_LORA_RANK)", param="lora_config")  # fmt: skip
 
 
 def with_cluster_defaults(params: dict[str, Any], training: TrainingSettings) -> dict[str, Any]:
@@ -152,15 +176,22 @@ class TrainingJobs:
         return launcher
 
     def submit(self, upload: Path, params: str | dict[str, Any] | None) -> TrainResponse:
-        """Validate args, dataset and model; write `jobs/<id>/`; launch. Any error leaves no job behind."""
-        args = parse_train_args(params, self.settings.training)
+        """Validate args, dataset and model; write `jobs/<id>/`; launch. Any error leaves no job behind.
+
+        Without a `loss`, the rows choose it: GRPO when they carry a `reward`, else SFT (`args_before_rows`)."""
+        params = train_params(params)
+        args = args_before_rows(params, self.settings.training)
         base_model = self.base_model_for(args.llm_name)
         launcher = self.launcher_for(args)
         check_base_model(base_model, args)  # the trainer's family rules: refuse before anything is written
+        check_servable(args, self.settings)
         job = JobDir.under(self.settings.jobs_dir, new_job_id())
         job.create()
         try:
             extract_dataset(upload, job.dataset_path, self.settings.upload.max_upload_bytes)
+            if "loss" not in params:
+                loss = "grpo" if first_row_scored(job.dataset_path) else "sft"
+                args = parse_train_args({**params, "loss": loss}, self.settings.training)
             summary = summarize_dataset(job.dataset_path, args.loss)
             if summary.first_chat_line is not None and not has_chat_template(Path(base_model)):
                 raise InvalidRequest(f"dataset line {summary.first_chat_line}: chat rows need a chat template, and "
@@ -183,6 +214,7 @@ class TrainingJobs:
         """Write `config` into an already created job dir and start its trainer (RL sessions use this)."""
         try:
             check_base_model(config.base_model, config.train_args)
+            check_servable(config.train_args, self.settings)
             return self._launch(job, config, self.launcher_for(config.train_args))
         except ScalarLMError:
             shutil.rmtree(job.root, ignore_errors=True)

@@ -16,12 +16,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
 from scalarlm.checkpoint import JobDir
 from scalarlm.checkpoint.session import SessionDir, batch_version, stale_message
 from scalarlm.protocol.errors import Conflict, EngineUnavailable, InvalidRequest, NotFound, QueueFull, ScalarLMError
 from scalarlm.protocol.training import (
+    MAX_STEPS,
     JobStatus,
     SessionCreateRequest,
     SessionRequestMeta,
@@ -32,7 +32,7 @@ from scalarlm.protocol.training import (
     SessionStepState,
     TrainJobConfig,
 )
-from scalarlm.protocol.rows import check_step_row
+from scalarlm.protocol.rows import check_step_rows
 from scalarlm.server.jobs import TrainingJobs, new_job_id, parse_train_args
 from scalarlm.server.models import ModelCatalog
 
@@ -41,11 +41,6 @@ logger = logging.getLogger(__name__)
 RESULT_POLL_SECONDS = 0.02
 STATUS_POLL_SECONDS = 0.5
 END_WAIT_SECONDS = 10.0
-
-
-def check_row(index: int, row: dict[str, Any]) -> None:
-    """A scored RL row (`reward` present) or an SFT row (input/output, prompt/completion, messages)."""
-    check_step_row(index, row)
 
 
 class RLSessions:
@@ -61,7 +56,15 @@ class RLSessions:
         """Validate args, write the session's job dir (session=True), launch its trainer."""
         params = dict(request.train_args)
         params.setdefault("adapter_type", "full")  # sessions train every weight unless told otherwise
-        params.setdefault("lr_schedule", "constant")  # open-ended: no horizon for a schedule to decay over
+        params.setdefault("loss", "grpo")  # scored rows train GRPO unless told otherwise; SFT rows train SFT
+        if params.get("lr_schedule", "constant") != "constant" and "max_steps" not in params:
+            raise InvalidRequest(f"lr_schedule {params['lr_schedule']!r} decays over max_steps, and a session is "
+                                 "open-ended unless it names them: send max_steps (the session then takes that many "
+                                 "steps), or leave lr_schedule at 'constant'", param="train_args")  # fmt: skip
+        params.setdefault("lr_schedule", "constant")
+        params.setdefault("max_steps", MAX_STEPS)  # open-ended; with max_steps set, the steps past it are refused
+        # Open-ended in time too: only the operator's cap (and `session_idle_seconds` without a request) ends it.
+        params.setdefault("timeout", self.jobs.settings.training.max_train_seconds)
         if request.model_name is not None:
             params.setdefault("llm_name", request.model_name)
         args = parse_train_args(params, self.jobs.settings.training)
@@ -134,9 +137,8 @@ class RLSessions:
                       overlap: bool) -> SessionStepState:  # fmt: skip
         """Validate, then write meta-<k> and request-<k> once fewer than `max_staleness + 1` steps are in flight
         (`overlap`: the request's, resolved for its route)."""
-        for i, row in enumerate(request.rows):
-            check_row(i, row)
         job, config = await asyncio.to_thread(self.session, session_id)
+        check_step_rows(request.rows, config.train_args.loss)
         files = SessionDir(job)
         generated = batch_version(request.version, request.rows)
         slots = config.session_max_staleness + 1
@@ -150,7 +152,7 @@ class RLSessions:
                     raise Conflict(f"session {session_id} is ending", param="session_id")
                 pending = await asyncio.to_thread(files.pending)
                 if len(pending) < slots:
-                    await asyncio.to_thread(self._check_fresh, session_id, files, config, generated)
+                    await asyncio.to_thread(self._check_next, session_id, files, config, generated, len(pending))
                     k = files.next_request_index()
                     meta = SessionRequestMeta(version=generated, accepted=time.time(), overlap=overlap)
                     await asyncio.to_thread(files.write_request, k, request.rows, meta)
@@ -166,13 +168,19 @@ class RLSessions:
             await asyncio.sleep(RESULT_POLL_SECONDS)
 
     @staticmethod
-    def _check_fresh(session_id: str, files: SessionDir, config: TrainJobConfig, generated: int | None) -> None:
-        """Refuse at once a batch already too stale for the newest result (the trainer checks again exactly)."""
-        if generated is None or config.session_stale_policy != "refuse":
-            return
+    def _check_next(session_id: str, files: SessionDir, config: TrainJobConfig, generated: int | None,
+                    in_flight: int) -> None:  # fmt: skip
+        """Refuse at once a step past the session's `max_steps`, and a batch already too stale for the newest result
+        (the trainer checks staleness again exactly)."""
         last = files.last_result_index()
         result = files.read_result(last) if last else None
         current = result.version if result is not None else 0
+        limit = config.train_args.max_steps
+        if current + in_flight >= limit:
+            raise Conflict(f"session {session_id} has taken its max_steps {limit} steps (version {current}, "
+                           f"{in_flight} more in flight): end it, or create a session with more", param="rows")
+        if generated is None or config.session_stale_policy != "refuse":
+            return
         if current - generated > config.session_max_staleness:
             raise Conflict(stale_message(session_id, generated, current, config.session_max_staleness),
                            param="version")  # fmt: skip

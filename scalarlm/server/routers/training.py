@@ -23,7 +23,7 @@ from scalarlm.protocol.training import (
     UploadInitResponse,
 )
 from scalarlm.server.deps import SettingsDep
-from scalarlm.server.jobs import TrainingJobs, parse_train_args
+from scalarlm.server.jobs import TrainingJobs, args_before_rows, train_params
 from scalarlm.server.limits import check_job_limit, count_job
 from scalarlm.server.training_uploads import UploadSessions
 
@@ -85,7 +85,7 @@ def train_alias(
 @router.post("/upload/init", response_model=UploadInitResponse)
 def upload_init(body: UploadInitRequest, jobs: JobsDep, uploads: UploadsDep) -> UploadInitResponse:
     """Open (or resume) a chunked upload; train args are checked now, before any data is sent."""
-    parse_train_args(body.params, jobs.settings.training)
+    args_before_rows(train_params(body.params), jobs.settings.training)
     return uploads.init(body)
 
 

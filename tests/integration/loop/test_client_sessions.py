@@ -61,7 +61,9 @@ async def test_async_and_sync_sessions(api_url: str) -> None:
     async with await llm.rl_session(train_args={"learning_rate": 1e-3}) as session:
         assert session.model_name == session.id and session.version == 0
         assert await session.step(RL_ROWS) == 1
-        assert await session.step([{"prompt": "a", "completion": "b"}]) == 2
+        with pytest.raises(InvalidRequest, match=r"rows\[0\]: field 'reward' is required"):
+            await session.step([{"prompt": "a", "completion": "b"}])  # an SFT row: a session trains GRPO by default
+        assert await session.step(RL_ROWS) == 2
         assert session.last is not None and session.last.loss == pytest.approx(0.5)
         with pytest.raises(InvalidRequest, match="reward"):
             await session.step([{"prompt": "a", "completion": "b", "reward": "x"}])

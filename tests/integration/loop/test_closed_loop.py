@@ -60,7 +60,8 @@ def test_each_session_step_is_served_by_the_next_generate(loop_server_home: tupl
     loop_server, home = loop_server_home
     llm = scalarlm.ScalarLM(api_url=loop_server, timeout=300)
     prompt = FACTS[0]["input"]
-    with llm.rl_session(train_args={"loss": "grpo", "learning_rate": 1e-2, "max_seq_len": 64, "dtype": "float32"}) as session:
+    # No `loss`: a session trains its scored rows with GRPO by default.
+    with llm.rl_session(train_args={"learning_rate": 1e-2, "max_seq_len": 64, "dtype": "float32"}) as session:
         versions = []
         for i in range(3):
             rows = [{"prompt": prompt, "completion": c, "reward": r}
@@ -79,5 +80,6 @@ def test_each_session_step_is_served_by_the_next_generate(loop_server_home: tupl
     alone, overlapped = (int(os.environ["OMP_NUM_THREADS"]),) * 2 if "OMP_NUM_THREADS" in os.environ else (
         host_cores(), max(1, host_cores() // 2))  # fmt: skip
     assert [m["cpu_threads"] for m in metrics] == [alone, alone, overlapped]
+    assert [m["reward_mean"] for m in metrics] == [0.5, 0.5, 0.5]  # GRPO's metrics: the scores were trained on
     log = (home / "jobs" / session.id / "logs" / "rank-0.log").read_text()
     assert f"rank 0: {alone} CPU threads ({overlapped} while a session step overlaps generation)" in log

@@ -56,7 +56,9 @@ async def test_session_steps_return_versions_workers_serve(control_plane) -> Non
             assert {m["name"]: m["version"] for m in work["models"]}[sid] == expected
 
         sft = await client.post(f"/v1/train/sessions/{sid}/step", json={"rows": [{"input": "a", "output": "b"}]})
-        assert sft.status_code == 200 and sft.json()["version"] == 3
+        assert sft.status_code == 400 and "this session trains loss 'grpo'" in sft.text, sft.text  # the default
+        third = await client.post(f"/v1/train/sessions/{sid}/step", json={"rows": RL_ROWS, "wait_seconds": 60})
+        assert third.status_code == 200 and third.json()["version"] == 3
         assert (await client.get(f"/v1/train/sessions/{sid}")).json()["version"] == 3
         # A submitted step may train while the client generates (unless it says not); a step waited on may not.
         for body in ({"rows": RL_ROWS}, {"rows": RL_ROWS, "overlap": False}):
@@ -83,6 +85,7 @@ async def test_bad_rows_are_400_and_a_dead_trainer_fails_the_step_fast(control_p
             ([{"prompt": "x", "completion": "y", "reward": 1, "extra": 1}], "extra"),
             ([{"completion": "y", "reward": 1}], "prompt"),
             ([{"text": "x"}], "expected"),
+            ([RL_ROWS[0], {"prompt": "x", "completion": "y"}], "rows[1]: field 'reward' is required"),
         ):
             reply = await client.post(f"/v1/train/sessions/{sid}/step", json={"rows": rows})
             assert reply.status_code == 400 and words in reply.json()["error"]["message"], reply.text
@@ -90,6 +93,15 @@ async def test_bad_rows_are_400_and_a_dead_trainer_fails_the_step_fast(control_p
         assert bad_args.status_code == 400 and "nope" in bad_args.json()["error"]["message"]
         mu = await client.post("/v1/train/sessions", json={"train_args": {"loss": "grpo", "num_iterations": 2}})
         assert mu.status_code == 400 and "num_iterations > 1 is not supported for RL sessions" in mu.text, mu.text
+        cosine = await client.post("/v1/train/sessions", json={"train_args": {"lr_schedule": "cosine"}})
+        assert cosine.status_code == 400 and "send max_steps" in cosine.text, cosine.text
+        sft = (await client.post("/v1/train/sessions", json={"train_args": {"loss": "sft"}})).json()["session_id"]
+        scores = await client.post(f"/v1/train/sessions/{sft}/step", json={"rows": RL_ROWS})
+        assert scores.status_code == 400 and "created with loss 'sft'" in scores.text, scores.text
+        rows = await client.post(f"/v1/train/sessions/{sft}/step", json={"rows": [{"input": "a", "output": "b"}],
+                                                                            "wait_seconds": 60})  # fmt: skip
+        assert rows.status_code == 200 and rows.json()["version"] == 1, rows.text
+        await client.delete(f"/v1/train/sessions/{sft}")
 
         reply = await client.post(f"/v1/train/sessions/{sid}/step",
                                   json={"rows": [{"prompt": "x", "completion": "die", "reward": 1}], "wait_seconds": 120})
@@ -99,3 +111,26 @@ async def test_bad_rows_are_400_and_a_dead_trainer_fails_the_step_fast(control_p
 
         job = (await client.get("/v1/train/sessions/job-missing")).status_code
         assert job == 404
+
+
+async def test_a_session_that_names_max_steps_takes_that_many(control_plane) -> None:
+    """A decaying schedule needs a horizon: with max_steps (here with cosine) the steps past it are refused (409),
+    so no step trains at the schedule's end value; without max_steps a session is open-ended."""
+    async with control_plane(training={"poll_seconds": 0.2}) as (client, settings):
+        use_standin(client)
+        cosine = {"lr_schedule": "cosine", "max_steps": 1}
+        created = await client.post("/v1/train/sessions", json={"train_args": cosine})
+        assert created.status_code == 200, created.text
+        sid = created.json()["session_id"]
+        first = await client.post(f"/v1/train/sessions/{sid}/step", json={"rows": RL_ROWS, "wait_seconds": 60})
+        assert first.status_code == 200 and first.json()["version"] == 1, first.text
+        past = await client.post(f"/v1/train/sessions/{sid}/step", json={"rows": RL_ROWS})
+        assert past.status_code == 409 and "has taken its max_steps 1 steps" in past.text, past.text
+        await client.delete(f"/v1/train/sessions/{sid}")
+        config = JobDir.under(settings.jobs_dir, sid).read_config()
+        assert (config.train_args.loss, config.train_args.max_steps) == ("grpo", 1)  # loss: the session default
+        open_ended = (await client.post("/v1/train/sessions", json={})).json()["session_id"]
+        args = JobDir.under(settings.jobs_dir, open_ended).read_config().train_args
+        assert (args.loss, args.lr_schedule, args.max_steps) == ("grpo", "constant", 10_000_000)
+        assert args.timeout == settings.training.max_train_seconds  # not a batch job's 4 hours
+        await client.delete(f"/v1/train/sessions/{open_ended}")

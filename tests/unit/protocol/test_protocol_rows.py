@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from scalarlm.protocol.errors import InvalidRequest
-from scalarlm.protocol.rows import check_step_row, read_rl_objects, rl_row_from_object, validate_dataset
+from scalarlm.protocol.rows import (
+    check_step_row,
+    check_step_rows,
+    first_row_scored,
+    read_rl_objects,
+    rl_row_from_object,
+    validate_dataset,
+)
 
 
 def _write(tmp_path: Path, rows: list) -> Path:
@@ -28,8 +35,9 @@ def test_grpo_rows_accept_a_prompt_or_a_chat_prompt_without_an_assistant_turn(tm
     path = _write(tmp_path, [SCORED, "", SCORED_CHAT])
     assert validate_dataset(path, "grpo") == 2
     assert read_rl_objects(path)[1] == SCORED_CHAT
-    with pytest.raises(InvalidRequest, match="dataset line 3: field 'messages' needs at least one assistant"):
-        validate_dataset(path, "sft")  # an SFT chat row must have something to train on
+    unscored = {k: v for k, v in SCORED_CHAT.items() if k != "reward"}
+    with pytest.raises(InvalidRequest, match="dataset line 2: field 'messages' needs at least one assistant"):
+        validate_dataset(_write(tmp_path, [CHAT, unscored]), "sft")  # an SFT chat row must have something to train on
 
 
 @pytest.mark.parametrize(
@@ -68,6 +76,33 @@ def test_session_step_rows_are_named_by_index() -> None:
         with pytest.raises(InvalidRequest) as err:
             check_step_row(index, bad)
         assert err.value.message.startswith(words) and err.value.param == "rows", err.value.message
+
+
+def test_a_step_holds_the_rows_its_session_loss_trains() -> None:
+    """Scored rows for an RL loss, SFT rows for 'sft': a row of the other kind is refused, never trained otherwise."""
+    check_step_rows([SCORED, SCORED_CHAT], "grpo")
+    check_step_rows([CHAT, {"input": "q", "output": "a"}], "sft")
+    for rows, loss, words in [
+        ([SCORED, CHAT], "grpo", "rows[1]: field 'reward' is required: this session trains loss 'grpo'"),
+        ([{"prompt": "q", "completion": "a"}], "dr_grpo", "rows[0]: field 'reward' is required"),
+        ([CHAT, SCORED], "sft", "rows[1]: field 'reward' needs an RL loss, and this session was created with loss"),
+        ([SCORED, {**SCORED, "reward": "x"}], "grpo", "rows[1]: field 'reward'"),
+    ]:
+        with pytest.raises(InvalidRequest) as err:
+            check_step_rows(rows, loss)
+        assert err.value.message.startswith(words) and err.value.param == "rows", err.value.message
+
+
+def test_an_sft_dataset_refuses_scores_it_would_ignore(tmp_path: Path) -> None:
+    """loss 'sft' would train every completion whatever its reward: the row is refused, naming the fix."""
+    path = _write(tmp_path, [SCORED, SCORED])
+    assert first_row_scored(path) and validate_dataset(path, "grpo") == 2
+    with pytest.raises(InvalidRequest) as err:
+        validate_dataset(path, "sft")
+    assert err.value.message.startswith("dataset line 1: field 'reward' is for an RL loss"), err.value.message
+    assert "loss 'grpo'" in err.value.message
+    assert not first_row_scored(_write(tmp_path, ["", CHAT, SCORED])) and not first_row_scored(_write(tmp_path, []))
+    assert not first_row_scored(_write(tmp_path, ["{not json", SCORED]))
 
 
 def test_sft_chat_field_errors_name_the_field(tmp_path: Path) -> None:

@@ -156,7 +156,7 @@ class TinkerService:
     @staticmethod
     def _train_args(lora: dict[str, Any] | None, metadata: dict[str, Any] | None) -> dict[str, Any]:
         full = (metadata or {}).get("adapter_type") == "full" or not lora or int(lora.get("rank", 0)) == 0
-        args: dict[str, Any] = {"adapter_type": "full", "max_steps": 10_000_000}
+        args: dict[str, Any] = {"adapter_type": "full"}  # open-ended, as every session (RLSessions.create)
         if not full:
             assert lora is not None
             targets = []
