@@ -33,6 +33,8 @@ class LaunchRecord(BaseModel):
     start_ticks: int | None = None
     command: list[str] = Field(default_factory=list)
     submitted: float = 0.0
+    # The local launcher on a GPU node: the devices (CUDA_VISIBLE_DEVICES entries) the job's ranks were given.
+    devices: list[str] | None = None
 
 
 def write_record(job: JobDir, record: LaunchRecord) -> None:

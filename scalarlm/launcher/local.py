@@ -42,11 +42,30 @@ TRAINER_ENTRY: tuple[str, ...] = ("-m", "scalarlm.training")
 WAITING = "waiting"
 
 
+# Where a GPU node's server may have been given its devices (CUDA, then ROCm's HIP, which also reads the CUDA name).
+DEVICE_ENVS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+
+
+def node_devices(gpus_per_node: int, environ: dict[str, str]) -> tuple[str, list[str]]:
+    """The variable that names this node's GPUs for the trainers, and the `gpus_per_node` devices it may name: the
+    server's own CUDA_VISIBLE_DEVICES (or HIP_VISIBLE_DEVICES) when set, else 0 .. gpus_per_node - 1."""
+    for name in DEVICE_ENVS:
+        value = environ.get(name, "").strip()
+        if value:
+            return name, [d.strip() for d in value.split(",") if d.strip()][:gpus_per_node]
+    return DEVICE_ENVS[0], [str(i) for i in range(gpus_per_node)]
+
+
 def free_port() -> int:
     """A TCP port free right now on loopback (for torch.distributed's rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# A running job as the slots see it: its directory, the GPUs it asked for, and the devices it was given (None: not
+# recorded, a job on a node without `gpus_per_node` or started before devices were recorded).
+Running = tuple[JobDir, int, list[str] | None]
 
 
 class LocalLauncher:
@@ -69,8 +88,9 @@ class LocalLauncher:
         # Our own children, so their exit codes are known and they do not linger as zombies.
         self._children: dict[str, subprocess.Popen[bytes]] = {}
 
-    def command(self, job: JobDir, config: TrainJobConfig) -> list[str]:
-        """The command line that runs the job's ranks."""
+    def command(self, job: JobDir, config: TrainJobConfig, device_env: str | None = None) -> list[str]:
+        """The command line that runs the job's ranks (`device_env`: the variable naming the job's GPUs, passed on
+        to every rank)."""
         trainer = [self.python, *self.entry, str(job.root)]
         ranks = config.train_args.world_size
         if ranks == 1:
@@ -87,6 +107,8 @@ class LocalLauncher:
             cmd += ["-x", NOTIFY_ENV, "-x", NOTIFY_KEY_ENV]  # names only: the key stays out of argv and the record
         if self._staging() is not None:
             cmd += ["-x", STAGING_ENV]
+        if device_env is not None:
+            cmd += ["-x", device_env]
         return cmd + trainer
 
     def _staging(self) -> Path | None:
@@ -139,9 +161,9 @@ class LocalLauncher:
             raise InvalidRequest(f"gpus {args.gpus} exceeds the {per_node} GPUs of this node "
                                  "(training.gpus_per_node)", param="gpus")  # fmt: skip
 
-    def _slots(self) -> tuple[list[tuple[JobDir, LaunchRecord]], list[tuple[JobDir, int]]]:
+    def _slots(self) -> tuple[list[tuple[JobDir, LaunchRecord]], list[Running]]:
         """This launcher's jobs that are not finished: those waiting (oldest first) and those running (with
-        the GPUs each holds)."""
+        the GPUs each holds, and which when it was given them)."""
         waiting, running = [], []
         jobs_dir = self.settings.jobs_dir
         for root in sorted(p for p in jobs_dir.iterdir() if p.is_dir()) if jobs_dir.exists() else []:
@@ -155,7 +177,7 @@ class LocalLauncher:
                 if record.launcher_id == WAITING:
                     waiting.append((job, record))
                 elif self.state(job)[0] == "running":
-                    running.append((job, job.read_config().train_args.gpus))
+                    running.append((job, job.read_config().train_args.gpus, record.devices))
             except (OSError, ValueError):
                 continue
         waiting.sort(key=lambda pair: pair[1].submitted)
@@ -165,7 +187,7 @@ class LocalLauncher:
         training = self.settings.training
         return training.max_running_jobs > 0 or training.gpus_per_node > 0
 
-    def _busy(self, job_id: str, gpus: int | None = None, running: list[tuple[JobDir, int]] | None = None,
+    def _busy(self, job_id: str, gpus: int | None = None, running: list[Running] | None = None,
               ahead: int = 0) -> str | None:  # fmt: skip
         """Why the job cannot start now (None: it can): the job limit is reached, its GPUs are taken, or jobs
         submitted before it still wait."""
@@ -181,7 +203,7 @@ class LocalLauncher:
             return f"{len(running)} of training.max_running_jobs={training.max_running_jobs} trainers run"
         if gpus is None:
             gpus = JobDir(self.settings.jobs_dir / job_id).read_config().train_args.gpus
-        taken = sum(n for _, n in running)
+        taken = sum(n for _, n, _ in running)
         if training.gpus_per_node and gpus and taken + gpus > training.gpus_per_node:
             return f"it needs {gpus} GPUs and {taken} of this node's {training.gpus_per_node} are taken"
         return None
@@ -200,27 +222,47 @@ class LocalLauncher:
                 continue
             if self._busy(job.job_id, config.train_args.gpus, running) is not None:
                 break
-            launcher_id = self._start(job, config)
+            launcher_id = self._start(job, config, running)
             job.update_status(launcher_id=launcher_id, reason=None)
-            running.append((job, config.train_args.gpus))
+            running.append((job, config.train_args.gpus, read_record(job).devices))
             started.append(job.job_id)
         return started
 
-    def _start(self, job: JobDir, config: TrainJobConfig) -> str:
-        """Start the job's processes in a new session (so cancel can signal the whole group)."""
-        cmd = self.command(job, config)
+    def _devices(self, gpus: int, running: list[Running] | None) -> tuple[str, list[str]] | None:
+        """On a GPU node (`training.gpus_per_node` > 0), the variable and the devices to give a job of `gpus` GPUs:
+        the first ones no running job holds (none for a CPU job, so it cannot take a GPU it did not ask for); None
+        elsewhere (the trainer's ranks see what this process sees)."""
+        per_node = self.settings.training.gpus_per_node
+        if not per_node:
+            return None
+        name, devices = node_devices(per_node, dict(os.environ))
+        if running is None:
+            running = self._slots()[1]
+        held = {d for _, _, given in running for d in given or []}
+        free = [d for d in devices if d not in held]
+        # Jobs started before devices were recorded hold the first free ones, as they were given then.
+        unknown = sum(n for _, n, given in running if given is None)
+        return name, free[unknown:unknown + gpus]
+
+    def _start(self, job: JobDir, config: TrainJobConfig, running: list[Running] | None = None) -> str:
+        """Start the job's processes in a new session (so cancel can signal the whole group); on a GPU node with
+        the devices it is given (`_devices`)."""
+        env = self._environment()
+        given = self._devices(config.train_args.gpus, running)
+        if given is not None:
+            env[given[0]] = ",".join(given[1])
+        cmd = self.command(job, config, given[0] if given is not None else None)
         job.logs_dir.mkdir(parents=True, exist_ok=True)
         with open(log_path(job), "ab") as out:
             proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self._environment(), start_new_session=True,
+                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
             )  # fmt: skip
         self._children[job.job_id] = proc
         # Reap the child the moment it exits, so finished jobs leave no zombie behind.
         threading.Thread(target=proc.wait, name=f"reap-{job.job_id}", daemon=True).start()
         record = LaunchRecord(
-            launcher="local", launcher_id=str(proc.pid), pid=proc.pid,
-            start_ticks=start_ticks(proc.pid), command=cmd, submitted=time.time(),
+            launcher="local", launcher_id=str(proc.pid), pid=proc.pid, start_ticks=start_ticks(proc.pid),
+            command=cmd, submitted=time.time(), devices=given[1] if given is not None else None,
         )  # fmt: skip
         write_record(job, record)
         logger.info("job %s: started pid %d: %s", job.job_id, proc.pid, " ".join(cmd))

@@ -94,6 +94,16 @@ PROGRAMS = {
 }
 
 
+# "obedient", after writing the GPUs it was given (CUDA_VISIBLE_DEVICES) to `devices.<rank>` in the job directory.
+PROGRAMS["devices"] = """
+        import os, pathlib, sys
+        rank = os.environ.get("OMPI_COMM_WORLD_RANK", "0")
+        out = pathlib.Path(sys.argv[1]) / f"devices.{rank}"
+        out.with_suffix(".tmp" + rank).write_text(os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
+        os.replace(out.with_suffix(".tmp" + rank), out)
+""" + PROGRAMS["obedient"]
+
+
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
     return Settings(home=tmp_path / "home", model=str(tmp_path / "model"))

@@ -95,3 +95,47 @@ def test_the_control_planes_poll_starts_the_next_waiting_job(settings, program, 
     jobs.reconcile()  # what `training.poll_seconds` runs
     assert wait_for(lambda: b.read_status().status == "COMPLETED")
     assert b.read_status().reason is None
+
+
+def _given(job, ranks: int, wait_for) -> list[str]:
+    """What each rank of `job` saw in CUDA_VISIBLE_DEVICES."""
+    paths = [job.root / f"devices.{r}" for r in range(ranks)]
+    assert wait_for(lambda: all(p.exists() for p in paths))
+    return [p.read_text() for p in paths]
+
+
+def test_each_gpu_job_gets_gpus_of_its_own_and_a_cpu_job_none(settings, program, new_job, wait_for, monkeypatch):
+    """Two GPU jobs on one node never share a device, and a CPU job (gpus 0) on a GPU node cannot take one."""
+    for name in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    settings = limited(settings, gpus_per_node=4)
+    launcher = LocalLauncher(settings, entry=program("devices"))
+    (a, ca), (b, cb), (c, cc) = new_job(gpus=2), new_job(gpus=1), new_job(gpus=0)
+    for job, config in ((a, ca), (b, cb), (c, cc)):
+        assert launcher.submit(job, config).isdigit()
+    assert _given(a, 2, wait_for) == ["0,1", "0,1"] and _given(b, 1, wait_for) == ["2"]
+    assert _given(c, 1, wait_for) == [""]
+    assert [read_record(j).devices for j in (a, b, c)] == [["0", "1"], ["2"], []]
+    launcher.cancel(a)
+    # A restarted control plane reads what the running jobs hold from their launch records.
+    again = LocalLauncher(settings, entry=program("devices"))
+    (d, cd), (e, ce) = new_job(gpus=1), new_job(gpus=2)
+    assert again.submit(d, cd).isdigit() and _given(d, 1, wait_for) == ["0"]
+    assert again.submit(e, ce).isdigit() and _given(e, 2, wait_for) == ["1,3", "1,3"]  # the free ones
+    (f, cf) = new_job(gpus=1)
+    assert again.submit(f, cf) == "waiting"  # b holds 2, d 0, e 1 and 3
+    again.cancel(b)
+    assert again.admit() == [f.job_id] and _given(f, 1, wait_for) == ["2"]
+    for job in (c, d, e, f):
+        again.cancel(job)
+
+
+def test_gpus_come_from_the_servers_own_visible_devices(settings, program, new_job, wait_for, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    settings = limited(settings, gpus_per_node=4)
+    launcher = LocalLauncher(settings, entry=program("devices"))
+    (a, ca), (b, cb) = new_job(gpus=1), new_job(gpus=3)
+    assert launcher.submit(a, ca).isdigit() and launcher.submit(b, cb).isdigit()
+    assert _given(a, 1, wait_for) == ["4"] and _given(b, 3, wait_for) == ["5,6,7"] * 3
+    for job in (a, b):
+        launcher.cancel(job)
