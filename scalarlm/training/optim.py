@@ -10,13 +10,15 @@ memory (a LoRA job at DP=2 x TP=2 then left the TP=1 loss curve by ~1e-2 within 
 
 * CPU: megatron's optimizer hard-codes CUDA, so `main_grad` is handed to a fused torch AdamW as `.grad`; the grad norm
   is computed over TP shards (replicated params counted once) and clipped like `clip_grad_norm_`.
-* GPU: `get_megatron_optimizer` (distributed optimizer, bf16 params with fp32 main params, built-in clipping).
-  This path needs a GPU and is not exercised by the CPU test suite.
+* GPU: `get_megatron_optimizer` (distributed optimizer, bf16 params with fp32 main params, built-in clipping), with
+  the weight decay on matrices only (`set_groups`). This path needs a GPU; the CPU suite tests `set_groups` on
+  megatron's own param groups.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -38,6 +40,10 @@ class Optimizer(Protocol):
 
     def zero_grad(self) -> None:
         """Clear gradients before the next step's micro-batches."""
+
+    def set_adam(self, betas: tuple[float, float], eps: float, weight_decay: float, max_norm: float) -> None:
+        """Adam's betas and eps, the weight decay (of the matrices) and the clipping norm (inf: none) from the next
+        step on (Tinker's `optim_step` sets them per call)."""
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -154,11 +160,28 @@ class CpuAdamW:
             p.grad = None
         self.model.zero_grad_buffer()
 
+    def set_adam(self, betas: tuple[float, float], eps: float, weight_decay: float, max_norm: float) -> None:
+        decay, _ = self.opt.param_groups  # `_param_groups`: the matrices, then the norms and biases (never decayed)
+        for group in self.opt.param_groups:
+            group["betas"], group["eps"] = betas, eps
+        decay["weight_decay"] = weight_decay
+        self.max_norm = max_norm
+
     def state_dict(self) -> dict[str, Any]:
         return {"adamw": self.opt.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.opt.load_state_dict(state["adamw"])
+
+
+def set_groups(groups: list[dict[str, Any]], lr: float, weight_decay: float) -> None:
+    """The learning rate and weight decay of megatron's param groups for the next step. megatron marks the norms and
+    biases `wd_mult` 0 but builds every group with the config's weight decay (its own training loop's LR scheduler
+    applies the multiplier, and we use no megatron scheduler), so the decay is set here: matrices only, as HF
+    Trainer and the CPU optimizer do."""
+    for group in groups:
+        group["lr"] = lr
+        group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
 
 
 class GpuDistributedOptimizer:
@@ -181,20 +204,27 @@ class GpuDistributedOptimizer:
         )
         self.model = ddp_model
         self.tp_size = tp_size
+        self.weight_decay = args.weight_decay
         self.opt = get_megatron_optimizer(config, [ddp_model])
 
     def step(self, lr: float, after_sync: Callable[[], None] | None = None) -> float:
         finish_grad_sync(self.model, self.tp_size)
         if after_sync is not None:
             after_sync()
-        for group in self.opt.param_groups:
-            group["lr"] = lr
+        set_groups(self.opt.param_groups, lr, self.weight_decay)
         _, grad_norm, _ = self.opt.step()
         return float(grad_norm or 0.0)
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
         self.opt.zero_grad()
+
+    def set_adam(self, betas: tuple[float, float], eps: float, weight_decay: float, max_norm: float) -> None:
+        for group in self.opt.param_groups:
+            group["betas"], group["eps"] = betas, eps
+        self.weight_decay = weight_decay
+        for optimizer in self._sub_optimizers():
+            optimizer.config.clip_grad = max_norm if math.isfinite(max_norm) else 0.0  # megatron: 0 = no clipping
 
     def _sub_optimizers(self) -> list[Any]:
         return list(getattr(self.opt, "chained_optimizers", [self.opt]))

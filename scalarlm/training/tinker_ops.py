@@ -282,18 +282,11 @@ def forward_backward(trainer: "Trainer", request: dict[str, Any], backward: bool
 
 def set_adam_params(trainer: "Trainer", params: dict[str, Any]) -> float:
     """Apply one call's Adam parameters to the optimizer; return the learning rate."""
-    lr = float(params.get("learning_rate", 1e-4))
-    opt = getattr(trainer.optimizer, "opt", None)
-    if opt is None:
-        return lr  # megatron's distributed optimizer (GPU): learning rate per call; betas/eps as configured
-    for group in opt.param_groups:
-        group["betas"] = (float(params.get("beta1", 0.9)), float(params.get("beta2", 0.95)))
-        group["eps"] = float(params.get("eps", 1e-12))
-        if group.get("weight_decay", 0.0) or group is opt.param_groups[0]:
-            group["weight_decay"] = float(params.get("weight_decay", 0.0))
     clip = float(params.get("grad_clip_norm", 0.0))
-    trainer.optimizer.max_norm = clip if clip > 0 else math.inf
-    return lr
+    trainer.optimizer.set_adam(betas=(float(params.get("beta1", 0.9)), float(params.get("beta2", 0.95))),
+                               eps=float(params.get("eps", 1e-12)), weight_decay=float(params.get("weight_decay", 0.0)),
+                               max_norm=clip if clip > 0 else math.inf)  # fmt: skip
+    return float(params.get("learning_rate", 1e-4))
 
 
 def optim_step(trainer: "Trainer", request: dict[str, Any]) -> dict[str, Any]:

@@ -55,3 +55,47 @@ def test_max_grad_norm_clips_the_global_norm(max_grad_norm: float, clipped: bool
     assert norm == pytest.approx(math.sqrt(5))  # reported before clipping
     stepped = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters()))
     assert stepped == pytest.approx(max_grad_norm if clipped else math.sqrt(5), rel=1e-5)
+
+
+def test_set_adam_sets_the_decay_of_matrices_and_the_clipping_norm() -> None:
+    """Tinker's optim_step sets Adam's parameters per call (`set_adam`): decay on the matrices only, inf = no clip."""
+    model = _GradBuffers(grad=0.0)
+    weight, bias = model.linear.weight.detach().clone(), model.linear.bias.detach().clone()
+    opt = CpuAdamW(model, TrainArgs(weight_decay=0.0, max_grad_norm=1.0), _one_rank())
+    opt.set_adam(betas=(0.8, 0.9), eps=1e-6, weight_decay=0.5, max_norm=math.inf)
+    assert [(g["betas"], g["eps"]) for g in opt.opt.param_groups] == [((0.8, 0.9), 1e-6)] * 2
+    opt.step(lr=0.1)
+    assert torch.allclose(model.linear.weight, weight * (1 - 0.1 * 0.5)) and torch.equal(model.linear.bias, bias)
+    big = _GradBuffers(grad=0.5)  # global norm sqrt(5): not clipped with max_norm inf
+    opt = CpuAdamW(big, TrainArgs(max_grad_norm=1.0), _one_rank())
+    opt.set_adam(betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0, max_norm=math.inf)
+    opt.step(lr=1e-3)
+    assert math.sqrt(sum(float(p.grad.pow(2).sum()) for p in big.parameters())) == pytest.approx(math.sqrt(5))
+
+
+def test_the_gpu_optimizer_decays_matrices_only_on_megatrons_param_groups() -> None:
+    """megatron builds its param groups with `wd_mult` 0 for norms and biases but the config's weight decay on every
+    group (only its own LR scheduler, which we do not run, applies the multiplier): `set_groups` applies it. Checked
+    on megatron's real grouping of a module with a matrix, a bias and a norm, stepped by torch AdamW with no
+    gradient (megatron's optimizer itself needs CUDA)."""
+    import torch.distributed as dist
+    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+
+    from scalarlm.training.optim import set_groups
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    before = [p.detach().clone() for p in model.parameters()]  # weight, bias, norm weight, norm bias
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        groups = _get_param_groups([model], OptimizerConfig(lr=0.1, weight_decay=0.5), None)
+    finally:
+        dist.destroy_process_group()
+    opt = torch.optim.AdamW(groups, lr=0.1, weight_decay=0.5)
+    assert sorted(g["weight_decay"] for g in opt.param_groups) == [0.5, 0.5]  # megatron's groups as built
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    set_groups(opt.param_groups, lr=0.1, weight_decay=0.5)
+    opt.step()
+    after = list(model.parameters())
+    assert torch.allclose(after[0], before[0] * (1 - 0.1 * 0.5))
+    assert all(torch.equal(a, b) for a, b in zip(after[1:], before[1:]))
