@@ -3,8 +3,10 @@
 Loop (every rank): wait for `session/request-<k>.jsonl` (ranks agree collectively), take one step (GRPO if
 `train_args.loss` is grpo/dr_grpo, else SFT; both padding-free through the step driver, step.py), publish
 `checkpoints/step-<version>`, and rank 0 writes `session/result-<k>.json`. A bad batch yields a result with `error`
-and no step. `session/end` ends the session (COMPLETED); SIGTERM / cancel stop it like a normal job (state saved).
-Request k follows the last result written, so a restarted (resumed) session continues where it stopped.
+and no step. `session/end` ends the session (COMPLETED); SIGTERM / cancel stop it like a normal job (state saved),
+and a step request saves it every `steps_per_checkpoint` steps. Request k follows the last result written, so a
+restarted (resumed) session continues where it stopped; after a crash it continues from its last saved state with
+the version after its newest published one (`continue_versions`).
 
 The poll runs every 15 ms right after a step and backs off in proportion to the idle time (at most 2% of it, up
 to 0.5 s), so a client computing rewards for seconds pays little and an idle trainer costs nearly nothing.
@@ -104,6 +106,7 @@ def run_session(
     files = SessionDir(trainer.job)
     files.create()
     k = _next_request(files)
+    continue_versions(trainer)
     limit = trainer.config.session_idle_seconds or None
     logger.info("session %s: waiting for request %d (idle limit %s)", trainer.job.job_id, k,
                 f"{limit:g} s" if limit else "none")  # fmt: skip
@@ -133,6 +136,18 @@ def run_session(
             trainer.save()
             return "idle"
         time.sleep(poll_interval(waited))
+
+
+def continue_versions(trainer: "Trainer") -> None:
+    """A session resumed from a state older than its newest published step (its trainer died between two saves)
+    continues from that state, and its next step publishes the version after the newest one: versions only grow,
+    and no published step is written again with other weights. The steps in between are lost (logged)."""
+    if trainer.step >= trainer.published:
+        return
+    logger.warning("session %s: resumed from the state saved at step %d, older than its published version %d; the "
+                   "%d step(s) between are lost, and its next step is version %d", trainer.job.job_id, trainer.step,
+                   trainer.published, trainer.published - trainer.step, trainer.published + 1)  # fmt: skip
+    trainer.step = trainer.published
 
 
 def check_staleness(trainer: "Trainer", rows: list[dict[str, Any]], generated: int | None) -> None:
@@ -195,6 +210,8 @@ def _serve(trainer: "Trainer", files: SessionDir, k: int, on_step: Callable[[dic
             step=trainer.step, version=trainer.step, loss=metrics["loss"], metrics=_plain(metrics), request=k,
             generated_version=generated, staleness=staleness, started=started, finished=time.time(),
         ))  # fmt: skip
+    if trainer.step % trainer.args.steps_per_checkpoint == 0:
+        trainer.save()  # as a job does: a crash loses at most `steps_per_checkpoint` steps
 
 
 def _serve_op(trainer: "Trainer", files: SessionDir, k: int, request: dict[str, Any],

@@ -105,3 +105,53 @@ def test_session_steps_publish_versions_until_end(tmp_path: Path, tiny_model_dir
     assert [(p, auth, body) for p, auth, body in Notices.received] == [
         ("/v1/internal/published", "Bearer sekret", {"job_id": "session-1", "step": s}) for s in (1, 2, 3)
     ]
+
+
+def test_a_session_saves_its_state_and_resumes_past_its_newest_version(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """State is saved every `steps_per_checkpoint` steps; a trainer killed after later steps resumes from that state
+    and publishes the version after its newest one, never a published step again with other weights."""
+    import signal
+    import subprocess
+    import sys
+
+    from trainer_jobs import mpi_env
+
+    job = JobDir(tmp_path / "session-kill")
+    job.create()
+    args = TrainArgs(**{**ARGS, "kl_coef": 0.0, "steps_per_checkpoint": 2})
+    job.write_config(TrainJobConfig(job_id=job.job_id, base_model=str(tiny_model_dir), train_args=args, session=True))
+    job.dataset_path.write_text("")
+    files = SessionDir(job)
+    files.create()
+
+    def start() -> subprocess.Popen:
+        log = open(job.root / "trainer-session.out", "a")
+        return subprocess.Popen([sys.executable, "-m", "scalarlm.training", str(job.root)], env=mpi_env(), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+    def serve(proc: subprocess.Popen, k: int) -> int:
+        files.write_request(k, _rows(k))
+        wait_for(lambda: files.result_path(k).exists() or proc.poll() is not None, 300, f"result {k}")
+        assert files.result_path(k).exists(), trainer_output(job)
+        return files.read_result(k).version
+
+    proc = start()
+    try:
+        assert [serve(proc, k) for k in (1, 2, 3)] == [1, 2, 3]
+        wait_for(lambda: json.loads((job.state_dir / "latest.json").read_text())["step"] == 2, 60, "state at step 2")
+        wait_for(lambda: latest_step(job) == 3, 60, "step 3 landed")
+        step3 = (job.step_dir(3) / "model.safetensors").read_bytes()
+        os.killpg(proc.pid, signal.SIGKILL)  # dies between two saves: step 3 is published, its state is not
+        proc.wait()
+        proc = start()
+        assert serve(proc, 4) == 4  # from the state at step 2, published as the version after 3
+        assert (job.step_dir(3) / "model.safetensors").read_bytes() == step3
+        assert json.loads((job.state_dir / "latest.json").read_text())["step"] == 4  # saved at 4 as well
+        assert "the 1 step(s) between are lost, and its next step is version 4" in trainer_output(job)
+        files.request_end()
+        assert proc.wait(timeout=120) == 0, trainer_output(job)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    assert latest_step(job) == 4
