@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
@@ -11,6 +12,7 @@ from pathlib import Path
 from scalarlm.checkpoint.jobdir import JobDir, atomic_write_text
 from scalarlm.protocol.training import CheckpointManifest
 
+logger = logging.getLogger(__name__)
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -20,8 +22,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def publish_step(job: JobDir, manifest: CheckpointManifest, write: Callable[[Path], None]) -> Path:
-    """Write a checkpoint with `write(tmp_dir)`, add its manifest, rename it into place, point `latest` at it.
+def publish_step(job: JobDir, manifest: CheckpointManifest, write: Callable[[Path], None],
+                 keep: int | None = None) -> Path:  # fmt: skip
+    """Write a checkpoint with `write(tmp_dir)`, add its manifest, rename it into place, point `latest` at it; then
+    with `keep`, remove the steps older than the newest `keep` (`prune_steps`).
 
     A reader never sees half a checkpoint: until the rename it does not exist under its final name.
     """
@@ -44,7 +48,24 @@ def publish_step(job: JobDir, manifest: CheckpointManifest, write: Callable[[Pat
     os.replace(tmp, final)
     _fsync_dir(job.checkpoints_dir)
     atomic_write_text(job.checkpoints_dir / "latest", f"step-{manifest.step}\n")
+    if keep is not None:
+        prune_steps(job, keep)
     return final
+
+
+def prune_steps(job: JobDir, keep: int) -> list[int]:
+    """Remove the complete steps older than the newest `keep` (train arg `max_checkpoints_to_keep`); return them.
+    Each is renamed out of the step names first, so a reader sees it whole or not at all (files a reader has open
+    survive the removal)."""
+    old = list_steps(job)[:-keep]
+    for step in old:
+        gone = job.step_dir(step).with_name(f"step-{step}.pruned")
+        shutil.rmtree(gone, ignore_errors=True)
+        os.replace(job.step_dir(step), gone)
+        shutil.rmtree(gone, ignore_errors=True)
+    if old:
+        logger.info("job %s: removed steps %s (max_checkpoints_to_keep %d)", job.job_id, old, keep)
+    return old
 
 
 def step_folders(folder: Path) -> list[int]:

@@ -100,15 +100,16 @@ def stage_step(job: JobDir, root: Path, manifest: CheckpointManifest, write: Cal
     return final
 
 
-def land_staged(job: JobDir, staged: Path, manifest: CheckpointManifest) -> Path:
-    """Copy a staged step into `checkpoints/step-N/` durably and atomically (`publish_step`)."""
+def land_staged(job: JobDir, staged: Path, manifest: CheckpointManifest, keep: int | None = None) -> Path:
+    """Copy a staged step into `checkpoints/step-N/` durably and atomically (`publish_step`, which keeps the newest
+    `keep` steps)."""
 
     def copy(dest: Path) -> None:
         for f in staged.iterdir():
             if f.is_file() and f.name != "manifest.json":
                 shutil.copyfile(f, dest / f.name)
 
-    return publish_step(job, manifest, copy)
+    return publish_step(job, manifest, copy, keep)
 
 
 def land_orphaned(job: JobDir) -> list[int]:
@@ -120,11 +121,16 @@ def land_orphaned(job: JobDir) -> list[int]:
         return []
     durable = latest_step(job) or 0
     folder = staged[1].parent  # this job's staging folder: every staged step lies beside the newest
+    try:
+        keep = job.read_config().train_args.max_checkpoints_to_keep
+    except (OSError, ValueError):  # no readable config: keep every step
+        keep = None
     landed = []
     for step in step_folders(folder):
         path = folder / f"step-{step}"
         if step > durable and step <= staged[0] and (path / "manifest.json").exists():
-            land_staged(job, path, CheckpointManifest.model_validate_json((path / "manifest.json").read_text()))
+            land_staged(job, path, CheckpointManifest.model_validate_json((path / "manifest.json").read_text()),
+                        keep)  # fmt: skip
             landed.append(step)
     return landed
 
@@ -198,9 +204,11 @@ class StagedPublisher:
     landings finish first (the control plane then removes their staged copies); if there is still none, or writing
     there fails, the step is published durably at once, as without staging."""
 
-    def __init__(self, job: JobDir, root: Path, on_landed: Callable[[int], object], expected_bytes: int = 0) -> None:
+    def __init__(self, job: JobDir, root: Path, on_landed: Callable[[int], object], expected_bytes: int = 0,
+                 keep: int | None = None) -> None:  # fmt: skip
         self.job, self.root, self.on_landed = job, root, on_landed
         self.expected_bytes = expected_bytes
+        self.keep = keep  # each landing keeps the newest `keep` durable steps (publish_step)
         self._lock = threading.Lock()
         self._queue: deque[_Landing] = deque()
         self._thread: threading.Thread | None = None
@@ -216,14 +224,14 @@ class StagedPublisher:
             if not self._has_room():
                 logger.warning("staging %s has too little room for a %.0f MiB checkpoint: publishing step %d durably",
                                self.root, self.expected_bytes / 2**20, manifest.step)
-                return publish_step(job, manifest, write)
+                return publish_step(job, manifest, write, self.keep)
         try:
             staged = stage_step(job, self.root, manifest, write)
         except OSError as e:  # e.g. the memory filesystem filled up
             logger.warning("could not stage step %d in %s (%s): publishing it durably", manifest.step, self.root, e)
             shutil.rmtree(self.root / job.job_id / f"step-{manifest.step}.tmp", ignore_errors=True)
             self.wait()  # `latest` moves forward only: the queued steps land first
-            return publish_step(job, manifest, write)
+            return publish_step(job, manifest, write, self.keep)
         with self._lock:
             self._queue.append(_Landing(staged, manifest.model_copy(), supersedable))
             if len(self._queue) > 1:
@@ -248,7 +256,7 @@ class StagedPublisher:
             manifest = landing.manifest
             started = time.monotonic()
             try:
-                land_staged(self.job, landing.staged, manifest)
+                land_staged(self.job, landing.staged, manifest, self.keep)
             except BaseException as e:  # re-raised in the training thread; the later steps stay staged, unlanded
                 with self._lock:
                     self._error = e

@@ -58,6 +58,9 @@ class TrainArgs(BaseModel):
     training_mode: Literal["language_model"] = "language_model"
     distribution_strategy: Literal["ddp", "fsdp", "megatron"] = "megatron"
     steps_per_checkpoint: int = Field(100, ge=1)
+    # Published steps kept on disk: after each one lands, the steps older than the newest this many are removed
+    # (ScalarLM's key; its default is 3). None keeps every step (a job's default; an RL session keeps 3).
+    max_checkpoints_to_keep: int | None = Field(None, ge=1)
     gpus: int = Field(0, ge=0, le=4096)
     nodes: int = Field(1, ge=1, le=1024)
     adapter_type: Literal["lora", "full", "none", "tokenformer"] = "lora"

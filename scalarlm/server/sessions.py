@@ -38,6 +38,9 @@ from scalarlm.server.models import ModelCatalog
 
 logger = logging.getLogger(__name__)
 
+# The published steps an RL session keeps unless its train args say otherwise (ScalarLM's max_checkpoints_to_keep
+# default): an 8B model in bf16 is 16 GB a step, and only the newest is served.
+SESSION_CHECKPOINTS_KEPT = 3
 RESULT_POLL_SECONDS = 0.02
 STATUS_POLL_SECONDS = 0.5
 END_WAIT_SECONDS = 10.0
@@ -65,6 +68,8 @@ class RLSessions:
         params.setdefault("max_steps", MAX_STEPS)  # open-ended; with max_steps set, the steps past it are refused
         # Open-ended in time too: only the operator's cap (and `session_idle_seconds` without a request) ends it.
         params.setdefault("timeout", self.jobs.settings.training.max_train_seconds)
+        # A session publishes every step: it keeps the newest few on disk unless told (None: every step).
+        params.setdefault("max_checkpoints_to_keep", SESSION_CHECKPOINTS_KEPT)
         if request.model_name is not None:
             params.setdefault("llm_name", request.model_name)
         args = parse_train_args(params, self.jobs.settings.training)

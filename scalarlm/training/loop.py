@@ -119,7 +119,8 @@ class Trainer:
         self.publisher = None
         if staging and par.is_main and not self.lora:
             self.publisher = StagedPublisher(job, Path(staging), lambda step: notify_published(config.job_id, step),
-                                             sum(f.stat().st_size for f in self.base.glob("*.safetensors")))
+                                             sum(f.stat().st_size for f in self.base.glob("*.safetensors")),
+                                             keep=args.max_checkpoints_to_keep)  # fmt: skip
 
     def _build_model(self, trained: bool = True) -> torch.nn.Module:
         """The GPTModel shard of this TP rank, loaded from the base HF checkpoint (`trained`: False for the frozen
@@ -186,7 +187,7 @@ class Trainer:
         if self.lora:
             self._publish_adapter(manifest)
         else:
-            publish = publish_step
+            publish = partial(publish_step, keep=self.args.max_checkpoints_to_keep)
             if self.publisher is not None:
                 supersedable = serving and self.step % self.args.steps_per_checkpoint != 0
                 publish = partial(self.publisher.publish, supersedable=supersedable)
@@ -206,7 +207,8 @@ class Trainer:
         if self.par.is_main:
             state = lora.peft_state(self.model, self.arch)
             config = lora.peft_config(self.args.lora_config, self.arch, str(self.config.base_model))
-            path = publish_step(self.job, manifest, lambda dest: lora.write_adapter(dest, state, config, self.base))
+            path = publish_step(self.job, manifest, lambda dest: lora.write_adapter(dest, state, config, self.base),
+                                self.args.max_checkpoints_to_keep)  # fmt: skip
             logger.info("published adapter %s", path)
         dist.barrier()
 

@@ -88,6 +88,10 @@ EVIDENCE: dict[str, list[str]] = {
         f"{ARG_EFFECTS}::test_checkpoints_are_published_every_steps_per_publish_and_state_saved_every_steps_per_checkpoint",
     ],
     "TrainArgs.max_token_block_size": [f"{ARG_EFFECTS}::test_max_token_block_size_is_the_block_length"],
+    "TrainArgs.max_checkpoints_to_keep": [  # a job's checkpoints are 4, 5 of 2, 4, 5; staged landings prune too
+        f"{ARG_EFFECTS}::test_max_checkpoints_to_keep_leaves_the_newest_published_steps",
+        "tests/unit/checkpoint/test_staging.py::test_landings_keep_the_newest_max_checkpoints_to_keep_steps",
+    ],
     "TrainArgs.gpus": [
         SBATCH_GPU,  # --gres=gpu:N and one task per GPU
         "tests/integration/training_api/test_train_routes.py::test_an_embedded_nodes_gpu_job_gets_the_trainers_share_of_each_gpu",

@@ -133,4 +133,5 @@ async def test_a_session_that_names_max_steps_takes_that_many(control_plane) -> 
         args = JobDir.under(settings.jobs_dir, open_ended).read_config().train_args
         assert (args.loss, args.lr_schedule, args.max_steps) == ("grpo", "constant", 10_000_000)
         assert args.timeout == settings.training.max_train_seconds  # not a batch job's 4 hours
+        assert args.max_checkpoints_to_keep == 3  # it publishes every step; a job keeps every step unless told
         await client.delete(f"/v1/train/sessions/{open_ended}")

@@ -1,6 +1,7 @@
-"""Train args whose effect only a real job shows: LoRA dropout, the publish cadence beside the checkpoint cadence, and
-ScalarLM's `max_token_block_size`. Two short LoRA jobs (real `python -m scalarlm.training`) that differ only in
-`lora_config.dropout`; the job list a user reads comes from the real control-plane routes over the same home."""
+"""Train args whose effect only a real job shows: LoRA dropout, the publish cadence beside the checkpoint cadence,
+ScalarLM's `max_checkpoints_to_keep` and `max_token_block_size`. Two short LoRA jobs (real `python -m
+scalarlm.training`) that differ in `lora_config.dropout` (the second also keeps only 2 checkpoints; neither changes
+the other's checks); the job list a user reads comes from the real control-plane routes over the same home."""
 
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("home")
 
 
-def _job(home: Path, name: str, model: Path, dropout: float) -> JobDir:
-    job = make_job(home / "jobs", name, model, qa_rows() + [LONG_ROW], **ARGS,
+def _job(home: Path, name: str, model: Path, dropout: float, **more) -> JobDir:
+    job = make_job(home / "jobs", name, model, qa_rows() + [LONG_ROW], **{**ARGS, **more},
                    lora_config={"r": 8, "alpha": 16, "dropout": dropout})  # fmt: skip
     assert run_trainer(job) == 0, trainer_output(job)
     return job
@@ -50,7 +51,7 @@ def plain(home: Path, tiny_model_dir: Path) -> JobDir:
 
 @pytest.fixture(scope="module")
 def dropped(home: Path, tiny_model_dir: Path) -> JobDir:
-    return _job(home, "dropout", tiny_model_dir, DROPOUT)
+    return _job(home, "dropout", tiny_model_dir, DROPOUT, max_checkpoints_to_keep=2)
 
 
 def test_lora_dropout_changes_training_after_the_first_step_and_is_in_the_adapter_config(
@@ -77,6 +78,21 @@ def test_checkpoints_are_published_every_steps_per_publish_and_state_saved_every
     log = (plain.logs_dir / "rank-0.log").read_text()
     saved = [int(line.rsplit(" ", 1)[1]) for line in log.splitlines() if "saved resume state at step" in line]
     assert saved == [3, 5], saved
+
+
+def test_max_checkpoints_to_keep_leaves_the_newest_published_steps(
+    home: Path, plain: JobDir, dropped: JobDir
+) -> None:
+    """ScalarLM's `max_checkpoints_to_keep`: the job published at 2, 4 and 5 and kept the newest two (the same job
+    without it keeps all three); the served and exported step is the newest."""
+    settings = Settings(home=home, model=str(plain.read_config().base_model), server={"role": "api"})
+    with TestClient(create_app(settings)) as client:
+        kept = client.get(f"/v1/megatron/train/{dropped.job_id}").json()["checkpoints"]
+        removed = client.get(f"/v1/megatron/train/{dropped.job_id}/export?step=2")
+    assert kept == [4, 5]
+    assert sorted(p.name for p in dropped.checkpoints_dir.iterdir()) == ["latest", "step-4", "step-5"]
+    assert removed.status_code == 404, removed.text
+    assert "removed steps [2] (max_checkpoints_to_keep 2)" in (dropped.logs_dir / "rank-0.log").read_text()
 
 
 def test_max_token_block_size_is_the_block_length(plain: JobDir) -> None:

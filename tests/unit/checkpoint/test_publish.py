@@ -92,3 +92,21 @@ def test_publish_syncs_every_new_file_and_the_folder_but_not_linked_base_files(t
     assert {f"{tmp}/adapter_model.safetensors", f"{tmp}/manifest.json", tmp, str(job.checkpoints_dir)} <= set(synced)
     assert f"{tmp}/tokenizer.json" not in synced
     assert (final / "tokenizer.json").read_text() == "{}"
+
+
+def test_max_checkpoints_to_keep_removes_the_older_steps_after_each_publish(tmp_path):
+    """ScalarLM's `max_checkpoints_to_keep`: after a step lands, only the newest `keep` complete steps remain."""
+    job = JobDir.under(tmp_path, "j")
+    job.create()
+    for step in (2, 4, 6):
+        publish_step(job, CheckpointManifest(job_id="j", step=step, base_model="b", kind="full"),
+                     lambda d: (d / "model.safetensors").write_bytes(b"w"))  # fmt: skip
+    assert list_steps(job) == [2, 4, 6]  # keep None: every step
+    (job.checkpoints_dir / "step-9.tmp").mkdir()  # a step being written is not a step
+    publish_step(job, CheckpointManifest(job_id="j", step=8, base_model="b", kind="full"),
+                 lambda d: (d / "model.safetensors").write_bytes(b"8"), keep=2)  # fmt: skip
+    assert list_steps(job) == [6, 8] and latest_step(job) == 8
+    assert sorted(p.name for p in job.checkpoints_dir.iterdir()) == ["latest", "step-6", "step-8", "step-9.tmp"]
+    publish_step(job, CheckpointManifest(job_id="j", step=10, base_model="b", kind="lora"),
+                 lambda d: (d / "adapter_model.safetensors").write_bytes(b"a"), keep=1)  # fmt: skip
+    assert list_steps(job) == [10] and read_manifest(job, 10).kind == "lora"

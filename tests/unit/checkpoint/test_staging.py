@@ -206,3 +206,18 @@ def test_without_room_to_stage_a_step_is_published_durably_at_once(job: JobDir, 
     assert path == job.step_dir(1) and latest_step(job) == 1 and not (tmp_path / "shm").exists()
     assert servable_step(job) == (1, job.step_dir(1))
     publisher.wait()  # nothing pending
+
+
+def test_landings_keep_the_newest_max_checkpoints_to_keep_steps(job: JobDir, tmp_path: Path) -> None:
+    """A staged publisher with `keep` prunes the durable steps after each landing, and so does the landing of a dead
+    trainer's staged steps (reading the job's train args)."""
+    from scalarlm.protocol.training import TrainArgs, TrainJobConfig
+
+    publisher = StagedPublisher(job, tmp_path / "shm", lambda step: None, keep=2)
+    for step in (1, 2, 3, 4):
+        publisher.publish(job, manifest(step), weights(b"%d" % step))
+        publisher.wait()
+    assert list_steps(job) == [3, 4] and latest_step(job) == 4
+    job.write_config(TrainJobConfig(job_id="j", base_model="b", train_args=TrainArgs(max_checkpoints_to_keep=1)))
+    stage_step(job, tmp_path / "shm", manifest(5), weights(b"5"))
+    assert land_orphaned(job) == [5] and list_steps(job) == [5]

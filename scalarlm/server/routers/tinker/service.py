@@ -156,7 +156,8 @@ class TinkerService:
     @staticmethod
     def _train_args(lora: dict[str, Any] | None, metadata: dict[str, Any] | None) -> dict[str, Any]:
         full = (metadata or {}).get("adapter_type") == "full" or not lora or int(lora.get("rank", 0)) == 0
-        args: dict[str, Any] = {"adapter_type": "full"}  # open-ended, as every session (RLSessions.create)
+        # Open-ended, as every session (RLSessions.create); every published step kept: sampler weights name them.
+        args: dict[str, Any] = {"adapter_type": "full", "max_checkpoints_to_keep": None}
         if not full:
             assert lora is not None
             targets = []
