@@ -28,15 +28,42 @@ def check_name(value: str, what: str = "name") -> str:
     return value
 
 
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _one_name(values: Any, names: dict[str, str]) -> Any:
+    """Accept ScalarLM's (and PEFT's) name for a key as ours (`names`: theirs -> ours); both sent is an error unless
+    they agree."""
+    if not isinstance(values, dict):
+        return values
+    values = dict(values)
+    for theirs, ours in names.items():
+        if theirs in values:
+            value = values.pop(theirs)
+            if ours in values and values[ours] != value:
+                raise ValueError(f"{theirs!r} and {ours!r} name the same setting; send one of them")
+            values[ours] = value
+    return values
+
+
 class LoraConfig(BaseModel):
+    """LoRA's rank, scale and targets; ScalarLM's and PEFT's names `lora_alpha`, `lora_dropout` and
+    `target_modules: "all-linear"` are accepted too."""
+
     model_config = ConfigDict(extra="forbid")
 
     r: int = Field(8, ge=1, le=256)
     alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
+    target_modules: list[str] = Field(default_factory=lambda: list(ALL_LINEAR))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _their_names(cls, values: Any) -> Any:
+        values = _one_name(values, {"lora_alpha": "alpha", "lora_dropout": "dropout"})
+        if isinstance(values, dict) and values.get("target_modules") == "all-linear":
+            values["target_modules"] = list(ALL_LINEAR)  # PEFT's shorthand: every projection of the blocks
+        return values
 
 
 class TrainArgs(BaseModel):
@@ -101,6 +128,11 @@ class TrainArgs(BaseModel):
     clip_eps: float = Field(0.2, gt=0)
     # Published full-weight checkpoints: "source" keeps each tensor's dtype of the base checkpoint.
     publish_dtype: Literal["source", "float32", "bfloat16", "float16"] = "source"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _their_names(cls, values: Any) -> Any:
+        return _one_name(values, {"gradient_clip_value": "max_grad_norm"})  # ScalarLM's name for the clipping norm
 
     @field_validator("llm_name")
     @classmethod
