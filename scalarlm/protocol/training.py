@@ -126,7 +126,7 @@ class TrainArgs(BaseModel):
     # Mixture-of-experts GRPO with num_iterations > 1: the later steps reuse the experts the first step chose.
     routing_replay: bool = False
     clip_eps: float = Field(0.2, gt=0)
-    # Published full-weight checkpoints: "source" keeps each tensor's dtype of the base checkpoint.
+    # Published checkpoints: "source" keeps each tensor's dtype of the base checkpoint (a LoRA adapter: float32).
     publish_dtype: Literal["source", "float32", "bfloat16", "float16"] = "source"
 
     @model_validator(mode="before")
@@ -196,6 +196,12 @@ def _refuse_unsupported(args: TrainArgs) -> None:
     if args.distribution_strategy == "ddp" and args.tensor_parallel_size > 1:
         raise ValueError("distribution_strategy 'ddp' is data parallel only; use 'megatron' with "
                          f"tensor_parallel_size {args.tensor_parallel_size}")
+    if args.loss == "sft" and args.kl_coef > 0:
+        raise ValueError("kl_coef is a GRPO setting (loss 'grpo' or 'dr_grpo'): an SFT loss has no reference to "
+                         "stay near; leave it at 0")
+    if args.loss != "sft" and not args.pack:
+        raise ValueError("pack: false is an SFT setting: GRPO batches are always packed (each row kept whole, "
+                         "attention within it, so packing changes no row's loss); leave it at true")
     if args.loss == "sft" and (args.num_iterations > 1 or args.routing_replay):
         raise ValueError("num_iterations and routing_replay are GRPO settings (loss 'grpo' or 'dr_grpo'); SFT takes one "
                          "optimizer step per batch")

@@ -73,6 +73,10 @@ class RLSessions:
         if request.model_name is not None:
             params.setdefault("llm_name", request.model_name)
         args = parse_train_args(params, self.jobs.settings.training)
+        if request.stale_policy == "reweight" and args.loss == "sft":
+            raise InvalidRequest("stale_policy 'reweight' trains a stale batch with its importance ratio against the "
+                                 "rows' sampling logprobs, a GRPO objective: a loss 'sft' session can only refuse "
+                                 "stale batches (stale_policy 'refuse')", param="stale_policy")  # fmt: skip
         if args.num_iterations > 1:
             raise InvalidRequest("num_iterations > 1 is not supported for RL sessions: each step request is one "
                                  "optimizer step; send the batch again for another", param="train_args")  # fmt: skip

@@ -206,6 +206,9 @@ class Trainer:
         """Rank 0 writes the adapter (every rank holds the full, identical A/B) with the tokenizer files."""
         if self.par.is_main:
             state = lora.peft_state(self.model, self.arch)
+            if self.args.publish_dtype != "source":  # "source": float32, PEFT's own default for adapter weights
+                dtype = getattr(torch, self.args.publish_dtype)
+                state = {k: v.to(dtype) for k, v in state.items()}
             config = lora.peft_config(self.args.lora_config, self.arch, str(self.config.base_model))
             path = publish_step(self.job, manifest, lambda dest: lora.write_adapter(dest, state, config, self.base),
                                 self.args.max_checkpoints_to_keep)  # fmt: skip

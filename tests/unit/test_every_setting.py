@@ -39,6 +39,8 @@ MORE_REFUSALS: list[tuple[dict[str, Any], str]] = [
     ({"adapter_type": "tokenformer"}, "adapter_type"),
     ({"tensor_parallel_size": 2, "cpu_ranks": 3}, "tensor_parallel_size"),
     ({"max_token_block_size": 16, "max_seq_len": 32}, "max_token_block_size"),  # one length under two names
+    ({"loss": "sft", "kl_coef": 0.1}, "kl_coef is a GRPO setting"),
+    ({"loss": "grpo", "pack": False}, "pack: false is an SFT setting"),
 ]
 
 ENGINE_FLAGS = "tests/unit/inference/test_engine_settings_flags.py::test_engine_settings_are_the_engine_args_vllm_reads"
@@ -172,6 +174,7 @@ EVIDENCE: dict[str, list[str]] = {
         # "source" (the default): a bf16 base trained in fp32 is published in bf16
         "tests/integration/training/test_real_checkpoints.py::test_a_cached_hub_id_trains_and_publishes_a_real_checkpoint",
         "tests/unit/training/test_hf_io.py::test_publish_keeps_source_dtypes_and_shards",
+        f"{ARG_EFFECTS}::test_publish_dtype_is_the_adapters_dtype",  # a LoRA adapter: float32, or bfloat16 when asked
     ],
     # ---- settings, top level ----
     "Settings.model": [ENGINE_FLAGS, "tests/unit/server/test_server_generate.py::test_default_max_tokens_and_base_model_by_path"],

@@ -93,6 +93,9 @@ async def test_bad_rows_are_400_and_a_dead_trainer_fails_the_step_fast(control_p
         assert bad_args.status_code == 400 and "nope" in bad_args.json()["error"]["message"]
         mu = await client.post("/v1/train/sessions", json={"train_args": {"loss": "grpo", "num_iterations": 2}})
         assert mu.status_code == 400 and "num_iterations > 1 is not supported for RL sessions" in mu.text, mu.text
+        reweight = await client.post("/v1/train/sessions", json={"train_args": {"loss": "sft"},
+                                                                  "stale_policy": "reweight"})  # fmt: skip
+        assert reweight.status_code == 400 and "a loss 'sft' session can only refuse" in reweight.text, reweight.text
         cosine = await client.post("/v1/train/sessions", json={"train_args": {"lr_schedule": "cosine"}})
         assert cosine.status_code == 400 and "send max_steps" in cosine.text, cosine.text
         sft = (await client.post("/v1/train/sessions", json={"train_args": {"loss": "sft"}})).json()["session_id"]

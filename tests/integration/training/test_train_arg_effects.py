@@ -1,7 +1,8 @@
 """Train args whose effect only a real job shows: LoRA dropout, the publish cadence beside the checkpoint cadence,
 ScalarLM's `max_checkpoints_to_keep` and `max_token_block_size`. Two short LoRA jobs (real `python -m
-scalarlm.training`) that differ in `lora_config.dropout` (the second also keeps only 2 checkpoints; neither changes
-the other's checks); the job list a user reads comes from the real control-plane routes over the same home."""
+scalarlm.training`) that differ in `lora_config.dropout` (the second also keeps only 2 checkpoints and publishes
+bfloat16; neither changes the other's checks); the job list a user reads comes from the real control-plane routes
+over the same home."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def plain(home: Path, tiny_model_dir: Path) -> JobDir:
 
 @pytest.fixture(scope="module")
 def dropped(home: Path, tiny_model_dir: Path) -> JobDir:
-    return _job(home, "dropout", tiny_model_dir, DROPOUT, max_checkpoints_to_keep=2)
+    return _job(home, "dropout", tiny_model_dir, DROPOUT, max_checkpoints_to_keep=2, publish_dtype="bfloat16")
 
 
 def test_lora_dropout_changes_training_after_the_first_step_and_is_in_the_adapter_config(
@@ -93,6 +94,16 @@ def test_max_checkpoints_to_keep_leaves_the_newest_published_steps(
     assert sorted(p.name for p in dropped.checkpoints_dir.iterdir()) == ["latest", "step-4", "step-5"]
     assert removed.status_code == 404, removed.text
     assert "removed steps [2] (max_checkpoints_to_keep 2)" in (dropped.logs_dir / "rank-0.log").read_text()
+
+
+def test_publish_dtype_is_the_adapters_dtype(plain: JobDir, dropped: JobDir) -> None:
+    """A LoRA adapter is published in float32 ("source", PEFT's default) unless `publish_dtype` names another."""
+    from safetensors import safe_open
+
+    for job, dtype in ((plain, "F32"), (dropped, "BF16")):
+        with safe_open(job.step_dir(5) / "adapter_model.safetensors", "pt") as f:
+            dtypes = {str(f.get_slice(k).get_dtype()) for k in f.keys()}
+        assert dtypes == {dtype}, (job.job_id, dtypes)
 
 
 def test_max_token_block_size_is_the_block_length(plain: JobDir) -> None:
