@@ -71,6 +71,13 @@ class EngineSettings(BaseModel):
     max_loras: int = Field(4, ge=1)
     max_lora_rank: int = Field(16, ge=1)
     seed: int = 0
+    # OpenAI tool calling on /v1/chat/completions: vLLM's parser of the model's tool-call format ("hermes" for Qwen,
+    # "llama3_json" for Llama 3.1+, ...; vLLM's --tool-call-parser, with --enable-auto-tool-choice). None: a request
+    # with tools and tool_choice "auto" is refused (vLLM's 400).
+    tool_call_parser: str | None = None
+    # vLLM's --reasoning-parser ("qwen3", "deepseek_r1", ...): a thinking model's reasoning is returned apart from its
+    # answer (`reasoning_content`). None: it stays in the text.
+    reasoning_parser: str | None = None
 
 
 class GenerateSettings(BaseModel):

@@ -17,6 +17,8 @@ from scalarlm.inference.vllm_api import (
     AsyncLLM,
     Device,
     FlexibleArgumentParser,
+    ReasoningParserManager,
+    ToolParserManager,
     UsageContext,
     enable_envs_cache,
     engine_device,
@@ -113,6 +115,10 @@ def serve_cli_args(settings: Settings, device: Device | None = None) -> list[str
         argv.append("--enforce-eager")
     if lora_enabled(settings, device):
         argv += ["--enable-lora", "--max-loras", str(eng.max_loras), "--max-lora-rank", str(eng.max_lora_rank)]
+    if eng.tool_call_parser is not None:
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", eng.tool_call_parser]
+    if eng.reasoning_parser is not None:
+        argv += ["--reasoning-parser", eng.reasoning_parser]
     return argv
 
 
@@ -121,6 +127,10 @@ def parse_serve_args(settings: Settings, device: Device | None = None) -> Namesp
     parser = make_arg_parser(FlexibleArgumentParser(prog="scalarlm-worker"))
     args = parser.parse_args(serve_cli_args(settings, device))
     validate_parsed_serve_args(args)
+    for setting, name, known in (("tool_call_parser", args.tool_call_parser, ToolParserManager.list_registered()),
+                                 ("reasoning_parser", args.reasoning_parser, ReasoningParserManager.list_registered())):
+        if name and name not in known:  # refused before the engine loads, naming vLLM's choices
+            raise ValueError(f"engine.{setting} {name!r} is not one of vLLM's: {', '.join(sorted(known))}")
     return args
 
 

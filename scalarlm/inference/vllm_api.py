@@ -32,8 +32,10 @@ from vllm.lora.request import LoRARequest
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
 from vllm.platforms import current_platform
+from vllm.reasoning import ReasoningParserManager
 from vllm.renderers.inputs.preprocess import parse_model_prompt
 from vllm.sampling_params import RequestOutputKind
+from vllm.tool_parsers import ToolParserManager
 from vllm.usage.usage_lib import UsageContext
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -54,9 +56,11 @@ __all__ = [
     "FlexibleArgumentParser",
     "LoRARequest",
     "PrometheusStatLogger",
+    "ReasoningParserManager",
     "RequestOutputKind",
     "RoutedExperts",
     "SamplingParams",
+    "ToolParserManager",
     "UnquantizedEmbeddingMethod",
     "UsageContext",
     "VllmConfig",

@@ -42,6 +42,7 @@ def inference_settings(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFa
             "enable_lora": True,
             "max_loras": 4,
             "max_lora_rank": 8,
+            "tool_call_parser": "hermes",  # OpenAI tool calling (tools with tool_choice "auto")
         },
         generate={"default_max_tokens": 8},
     )

@@ -55,6 +55,8 @@ TIME_LIMIT = "tests/integration/training_api/test_train_routes.py::test_time_lim
 SPLIT_MODE = "tests/integration/inference/test_split_mode.py::test_batch_and_openai_through_split_mode"
 STOP_RESUME = "tests/unit/launcher/test_stop_and_resume.py"
 ARG_EFFECTS = "tests/integration/training/test_train_arg_effects.py"
+PARSERS = ("tests/unit/inference/test_engine_settings_flags.py::"
+           "test_tool_call_and_reasoning_parsers_reach_vllm_and_unknown_ones_are_refused")
 PULL_BACKOFF = "tests/unit/inference/test_pull_backoff.py"
 GENERATE = "tests/unit/server/test_generate_settings.py"
 
@@ -254,6 +256,11 @@ EVIDENCE: dict[str, list[str]] = {
     "Settings.engine.max_loras": [ENGINE_FLAGS],
     "Settings.engine.max_lora_rank": [ENGINE_FLAGS],
     "Settings.engine.seed": [ENGINE_FLAGS],
+    "Settings.engine.tool_call_parser": [  # vLLM's flags, and a chat request with tools answered as vLLM's server
+        PARSERS,
+        "tests/integration/inference/test_openai_backend.py::test_json_reply_matches_vllm",
+    ],
+    "Settings.engine.reasoning_parser": [PARSERS],
     # ---- generate ----
     "Settings.generate.response_timeout": [
         f"{GENERATE}::test_long_polls_wait_response_timeout_by_default_and_never_past_max_wait_seconds",

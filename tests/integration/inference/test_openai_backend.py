@@ -42,6 +42,11 @@ async def _sse_events(stream: AsyncIterator[bytes]) -> list[str]:
     return [e[len("data: "):] for e in events[:-1]]
 
 
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]  # fmt: skip
+
+
 def _text(body: dict[str, Any]) -> str:
     choice = body["choices"][0]
     return choice["text"] if "text" in choice else choice["message"]["content"]
@@ -56,6 +61,9 @@ def _strip(body: dict[str, Any]) -> dict[str, Any]:
     [
         ("completions", {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}),
         ("chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": 6, "temperature": 0}),
+        # OpenAI tool calling through the engine's tool-call parser (engine.tool_call_parser, "hermes" here)
+        ("chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": 6, "temperature": 0, "tools": TOOLS,
+                              "tool_choice": "auto"}),
     ],
 )
 async def test_json_reply_matches_vllm(openai_backend: Any, vllm_server: httpx.AsyncClient, route: str,

@@ -51,3 +51,19 @@ def test_a_mixture_of_experts_model_on_cpu_gets_no_lora_slots(tmp_path) -> None:
     assert not lora_enabled(settings, "cpu") and lora_enabled(settings, "accelerator")
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     assert lora_enabled(settings, "cpu")
+
+
+def test_tool_call_and_reasoning_parsers_reach_vllm_and_unknown_ones_are_refused(tmp_path) -> None:
+    """OpenAI tool calling (`--enable-auto-tool-choice --tool-call-parser`) and a thinking model's reasoning parser
+    are vLLM's own flags; a name vLLM does not know is refused before the engine loads, naming its choices."""
+    import pytest
+
+    settings = Settings(model=str(tmp_path), home=tmp_path, engine={"tool_call_parser": "hermes",
+                                                                    "reasoning_parser": "qwen3"})  # fmt: skip
+    args = parse_serve_args(settings, "cpu")
+    assert (args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser) == (True, "hermes", "qwen3")
+    plain = parse_serve_args(Settings(model=str(tmp_path), home=tmp_path), "cpu")
+    assert not plain.enable_auto_tool_choice and not plain.tool_call_parser and not plain.reasoning_parser
+    for setting, value in (("tool_call_parser", "nope"), ("reasoning_parser", "qwen9")):
+        with pytest.raises(ValueError, match=f"engine.{setting} '{value}' is not one of vLLM's: .*hermes|qwen3"):
+            parse_serve_args(Settings(model=str(tmp_path), home=tmp_path, engine={setting: value}), "cpu")
