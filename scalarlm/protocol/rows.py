@@ -10,7 +10,7 @@ An SFT row is one JSON object per line in one of three shapes:
 
 Other keys are allowed and ignored, except ``reward``: an SFT loss would train on every completion whatever its
 reward, so a scored row is refused there (a job whose rows carry rewards and that names no `loss` trains GRPO).
-Blank lines are skipped. A GRPO row (`loss` "grpo" / "dr_grpo") is an `RLRow`: exactly one of ``prompt`` or
+Blank lines are skipped. A GRPO row (`loss` "grpo" / "dr_grpo" / "dapo") is an `RLRow`: exactly one of ``prompt`` or
 ``messages`` (a chat prompt, rendered with the template's generation prompt), a ``completion`` and a ``reward``.
 Every error names the line and the field: ``dataset line 3: field 'messages[0].role' ...``.
 """
@@ -89,8 +89,8 @@ def row_from_object(obj: dict[str, Any], line: int, where: str | None = None, pa
     where = where or f"dataset line {line}"
     if "reward" in obj:
         raise _bad(where, "field 'reward' is for an RL loss, and this job's loss is 'sft', which would train on "
-                   "every completion whatever its reward: send train arg loss 'grpo' or 'dr_grpo' (a job that "
-                   "names no loss trains GRPO on rows with a 'reward'), or drop 'reward' to fine-tune on them", param)
+                   "every completion whatever its reward: send train arg loss 'grpo', 'dr_grpo' or 'dapo' (a job "
+                   "naming no loss trains GRPO on rows with a 'reward'), or drop 'reward' to fine-tune on them", param)
     if "messages" in obj:
         return Row(line=line, messages=check_messages(obj["messages"], where, param=param))
     for prompt_key, completion_key in (("input", "output"), ("prompt", "completion")):
@@ -151,7 +151,7 @@ def check_step_rows(rows: list[Any], loss: str) -> None:
         if not rl and "reward" in row:
             raise _bad(f"rows[{i}]", "field 'reward' needs an RL loss, and this session was created with loss 'sft', "
                        "which would train on every completion whatever its reward: create the session with train "
-                       "arg loss 'grpo' (the default) or 'dr_grpo'", "rows")  # fmt: skip
+                       "arg loss 'grpo' (the default), 'dr_grpo' or 'dapo'", "rows")  # fmt: skip
 
 
 def first_row_scored(path: str | Path) -> bool:

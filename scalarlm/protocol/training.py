@@ -118,7 +118,12 @@ class TrainArgs(BaseModel):
     # On the serving host a published step is served from memory at once; one that is not a `steps_per_checkpoint`
     # step (nor the last) keeps no durable copy if a newer step is published before its copy begins to land.
     steps_per_publish: int | None = Field(None, ge=1)
-    loss: Literal["sft", "grpo", "dr_grpo"] = "sft"
+    # "dapo": GRPO's advantages and clipped objective with every completion token of the step weighted alike (TRL's
+    # default loss_type); "dr_grpo": unscaled advantages and a constant normaliser (`max_completion_length`).
+    loss: Literal["sft", "grpo", "dr_grpo", "dapo"] = "sft"
+    # dr_grpo's constant: the longest completion the sampler may write (TRL's max_completion_length). None: the
+    # longest completion of each step's batch.
+    max_completion_length: int | None = Field(None, ge=1)
     kl_coef: float = Field(0.0, ge=0)
     # GRPO jobs: optimizer steps over each batch of groups (TRL's num_iterations, the paper's mu). The later steps'
     # ratio compares with the first step's logprobs where a row has no sampling logprobs.
@@ -197,14 +202,16 @@ def _refuse_unsupported(args: TrainArgs) -> None:
         raise ValueError("distribution_strategy 'ddp' is data parallel only; use 'megatron' with "
                          f"tensor_parallel_size {args.tensor_parallel_size}")
     if args.loss == "sft" and args.kl_coef > 0:
-        raise ValueError("kl_coef is a GRPO setting (loss 'grpo' or 'dr_grpo'): an SFT loss has no reference to "
-                         "stay near; leave it at 0")
+        raise ValueError("kl_coef is a GRPO setting (loss 'grpo', 'dr_grpo' or 'dapo'): an SFT loss has no "
+                         "reference to stay near; leave it at 0")
+    if args.max_completion_length is not None and args.loss != "dr_grpo":
+        raise ValueError("max_completion_length is dr_grpo's normaliser; the other losses do not read it")
     if args.loss != "sft" and not args.pack:
         raise ValueError("pack: false is an SFT setting: GRPO batches are always packed (each row kept whole, "
                          "attention within it, so packing changes no row's loss); leave it at true")
     if args.loss == "sft" and (args.num_iterations > 1 or args.routing_replay):
-        raise ValueError("num_iterations and routing_replay are GRPO settings (loss 'grpo' or 'dr_grpo'); SFT takes one "
-                         "optimizer step per batch")
+        raise ValueError("num_iterations and routing_replay are GRPO settings (loss 'grpo', 'dr_grpo' or 'dapo'); "
+                         "SFT takes one optimizer step per batch")
     if args.routing_replay and args.num_iterations == 1:
         raise ValueError("routing_replay reuses a batch's first-step expert choices in its later steps: set "
                          "num_iterations > 1 (the sampler's own choices are not available: vLLM returns them only "

@@ -1,11 +1,13 @@
-"""GRPO and Dr. GRPO: group-normalised advantages and the clipped importance-ratio objective, per token.
+"""GRPO, Dr. GRPO and DAPO: group-normalised advantages and the clipped importance-ratio objective, per token.
 
 * Advantages: rows are grouped by `group` (default: the prompt text, or the rendered messages).
-  ``grpo``: ``(r - mean_g) / (std_g + eps)`` (unbiased std, as TRL); ``dr_grpo``: ``r - mean_g``.
+  ``grpo`` and ``dapo``: ``(r - mean_g) / (std_g + eps)`` (unbiased std, as TRL); ``dr_grpo``: ``r - mean_g``.
 * Objective per completion token: ``-min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) + kl_coef * k3`` with
   ``ratio = exp(logp - logp_sampling)`` and ``k3 = exp(ref - logp) - (ref - logp) - 1``.
 * Normalisation is a per-token weight: ``grpo`` averages tokens within a sequence and then sequences
-  (``1 / (len_i * N)``); ``dr_grpo`` divides by a constant (``1 / (max_len * N)``, TRL's ``loss_type="dr_grpo"``).
+  (``1 / (len_i * N)``); ``dr_grpo`` divides by a constant (``1 / (L * N)``, TRL's ``loss_type="dr_grpo"``, with
+  ``L`` = `max_completion_length`, or the batch's longest completion when unset); ``dapo`` weighs every completion
+  token of the step alike (``1 / sum_i len_i``, TRL's default ``loss_type="dapo"``).
   The weights of the whole (global) batch sum the step's loss; micro-batches and DP ranks just add up.
 * Micro-batches are padding-free, packed as SFT's (`rl_micro_batches`); these per-token inputs ride along per document,
   so packing changes no term of the sum (the padded layout gives the same loss and gradients).
@@ -41,7 +43,7 @@ def group_key(row: RLRow) -> str:
 
 
 def advantages(rewards: Sequence[float], groups: Sequence[str], loss: str) -> list[float]:
-    """Group-normalised advantages (`loss` "grpo" divides by the group's std, "dr_grpo" does not)."""
+    """Group-normalised advantages (`loss` "grpo" and "dapo" divide by the group's std, "dr_grpo" does not)."""
     members: dict[str, list[int]] = defaultdict(list)
     for i, g in enumerate(groups):
         members[g].append(i)
@@ -51,7 +53,7 @@ def advantages(rewards: Sequence[float], groups: Sequence[str], loss: str) -> li
         if bool((r == r[0]).all()):
             continue  # equal rewards: exactly 0 (a float mean of equal values can miss them by an ulp)
         centred = r - r.mean()
-        if loss == "grpo":
+        if loss != "dr_grpo":
             std = r.std() if len(idx) > 1 else torch.zeros((), dtype=torch.float64)
             centred = centred / (std + ADV_EPS)
         for i, a in zip(idx, centred.tolist()):
@@ -159,13 +161,15 @@ class RLMicroBatch:
         )
 
 
-def token_weights(docs: Sequence[RLDoc], loss: str) -> list[float]:
+def token_weights(docs: Sequence[RLDoc], loss: str, max_completion_length: int | None = None) -> list[float]:
     """Per-document weight of each of its completion tokens (see module docstring)."""
     n = len(docs)
     lengths = [sum(d.doc.targets[1:]) for d in docs]
     if loss == "dr_grpo":
-        longest = max(lengths)
-        return [1.0 / (longest * n)] * n
+        constant = max_completion_length or max(lengths)
+        return [1.0 / (constant * n)] * n
+    if loss == "dapo":
+        return [1.0 / sum(lengths)] * n
     return [1.0 / (length * n) for length in lengths]
 
 

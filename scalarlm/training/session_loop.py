@@ -1,7 +1,7 @@
 """Session mode: the model and optimizer stay in memory; one optimizer step per submitted request file.
 
 Loop (every rank): wait for `session/request-<k>.jsonl` (ranks agree collectively), take one step (GRPO if
-`train_args.loss` is grpo/dr_grpo, else SFT; both padding-free through the step driver, step.py), publish
+`train_args.loss` is grpo/dr_grpo/dapo, else SFT; both padding-free through the step driver, step.py), publish
 `checkpoints/step-<version>`, and rank 0 writes `session/result-<k>.json`. A bad batch yields a result with `error`
 and no step. `session/end` ends the session (COMPLETED); SIGTERM / cancel stop it like a normal job (state saved),
 and a step request saves it every `steps_per_checkpoint` steps. Request k follows the last result written, so a
@@ -71,7 +71,7 @@ def sft_batch(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> StepBatch:
 
 def session_step(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> dict[str, Any]:
     """One optimizer step on one request's rows (GRPO or SFT per `train_args.loss`)."""
-    if trainer.args.loss in ("grpo", "dr_grpo"):
+    if trainer.args.loss != "sft":
         return grpo_step(trainer, rl_batch(trainer, raw_rows))
     return trainer.sft_step(sft_batch(trainer, raw_rows))
 
@@ -164,7 +164,7 @@ def check_staleness(trainer: "Trainer", rows: list[dict[str, Any]], generated: i
     message = stale_message(trainer.job.job_id, generated, current, config.session_max_staleness)
     if config.session_stale_policy == "refuse":
         raise Conflict(message, param="version")
-    if trainer.args.loss not in ("grpo", "dr_grpo"):
+    if trainer.args.loss == "sft":
         raise Conflict(f"{message} (stale_policy 'reweight' applies to GRPO sessions only)", param="version")
     missing = [i for i, r in enumerate(rows) if not r.get("logprobs")]
     if missing:

@@ -41,6 +41,7 @@ MORE_REFUSALS: list[tuple[dict[str, Any], str]] = [
     ({"max_token_block_size": 16, "max_seq_len": 32}, "max_token_block_size"),  # one length under two names
     ({"loss": "sft", "kl_coef": 0.1}, "kl_coef is a GRPO setting"),
     ({"loss": "grpo", "pack": False}, "pack: false is an SFT setting"),
+    ({"loss": "dapo", "max_completion_length": 64}, "max_completion_length is dr_grpo's normaliser"),
 ]
 
 ENGINE_FLAGS = "tests/unit/inference/test_engine_settings_flags.py::test_engine_settings_are_the_engine_args_vllm_reads"
@@ -90,6 +91,9 @@ EVIDENCE: dict[str, list[str]] = {
     ],
     "TrainArgs.steps_per_publish": [  # the job's checkpoints list is 2, 4, 5 with steps_per_publish 2, max_steps 5
         f"{ARG_EFFECTS}::test_checkpoints_are_published_every_steps_per_publish_and_state_saved_every_steps_per_checkpoint",
+    ],
+    "TrainArgs.max_completion_length": [  # a dr_grpo job's first loss and gradient scale by longest / 64
+        "tests/integration/training/test_grpo_job.py::test_dr_grpo_divides_by_max_completion_length",
     ],
     "TrainArgs.max_token_block_size": [f"{ARG_EFFECTS}::test_max_token_block_size_is_the_block_length"],
     "TrainArgs.max_checkpoints_to_keep": [  # a job's checkpoints are 4, 5 of 2, 4, 5; staged landings prune too
@@ -164,7 +168,8 @@ EVIDENCE: dict[str, list[str]] = {
     "TrainArgs.shuffle": [  # the default (True): each epoch's blocks in a new, seeded order
         "tests/unit/training/test_data.py::test_block_stream_is_seeded_reshuffles_each_epoch_and_resumes_exactly",
     ],
-    "TrainArgs.loss": [GRPO_JOB, SFT_JOB, "tests/unit/training/test_grpo.py::test_advantages_match_numpy"],
+    "TrainArgs.loss": [GRPO_JOB, SFT_JOB, "tests/unit/training/test_grpo.py::test_advantages_match_numpy",
+                       "tests/unit/training/test_grpo.py::test_token_weights_are_each_losss_normaliser"],
     "TrainArgs.kl_coef": [
         GRPO_JOB,  # kl_coef 0.01: a kl metric, 0 at the first step and > 0 after
         "tests/unit/training/test_grpo.py::test_clipped_objective_matches_numpy",

@@ -238,7 +238,8 @@ def main() -> int:
         # advantage 0 are left out
         first = Path(sys.argv[1])
         cases = [("grpo", first, "grpo", KL_COEF, True), ("dr_grpo", first, "dr_grpo", KL_COEF, True),
-                 ("grpo_no_kl", first, "grpo", 0.0, True), ("grpo_unshared", first, "grpo", KL_COEF, False)]
+                 ("dapo", first, "dapo", KL_COEF, True), ("grpo_no_kl", first, "grpo", 0.0, True),
+                 ("grpo_unshared", first, "grpo", KL_COEF, False)]
         cases += [(f"grpo:{Path(d).name}", Path(d), "grpo", KL_COEF, True) for d in sys.argv[2:]]
         loaded: Path | None = None
         for case, model_dir, loss_type, kl_coef, share in cases:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from trainer_jobs import make_job, run_trainer, trainer_output
 
@@ -98,3 +99,22 @@ def test_num_iterations_trains_each_batch_several_steps_and_a_resume_inside_a_ba
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     assert [r["reward_mean"] for r in resumed] == means and [r["batch_step"] for r in resumed[4:]] == [2, 3]
     assert all(abs(a["loss"] - b["loss"]) <= 1e-5 for a, b in zip(resumed[:4], rows[:4]))
+
+
+def test_dr_grpo_divides_by_max_completion_length(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """dr_grpo's constant normaliser is TRL's `max_completion_length` when given, else the batch's longest completion:
+    on the same first step (ratio 1, the same advantages) the loss and the gradient scale by longest / 64."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    longest = max(len(tok(r["completion"], add_special_tokens=False)["input_ids"]) + 1 for r in _rows())  # + EOS
+    firsts = []
+    for name, more in (("batch-longest", {}), ("constant", {"max_completion_length": 64})):
+        job = make_job(tmp_path, name, tiny_model_dir, _rows(), max_steps=1, batch_size=3, loss="dr_grpo",
+                       adapter_type="full", lr_schedule="constant", **more)  # fmt: skip
+        assert run_trainer(job) == 0, trainer_output(job)
+        firsts.append(job.read_metrics()[0])
+    ratio = longest / 64
+    assert firsts[0]["grad_norm"] > 0 and firsts[0]["loss"] != 0
+    assert firsts[1]["grad_norm"] == pytest.approx(firsts[0]["grad_norm"] * ratio, rel=1e-5), firsts
+    assert firsts[1]["loss"] == pytest.approx(firsts[0]["loss"] * ratio, rel=1e-5), firsts

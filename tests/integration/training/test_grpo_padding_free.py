@@ -37,7 +37,7 @@ def parity(tiny_model_dir: Path, family_models: dict[str, Path]) -> dict:
     return json.loads(line[len("RESULT ") :])
 
 
-@pytest.mark.parametrize("loss", ["grpo", "dr_grpo"])
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo"])
 def test_padding_free_grpo_gives_the_padded_loss_and_gradients(parity: dict, loss: str) -> None:
     r = parity[loss]
     assert len(r["lengths"]) > 3 and r["micro_batches"] > 1, r  # rows of different lengths, several micro-batches

@@ -35,11 +35,11 @@ def _direct_advantages(loss: str) -> np.ndarray:
         idx = [i for i, x in enumerate(GROUPS) if x == g]
         centred = r[idx] - r[idx].mean()
         std = r[idx].std(ddof=1) if len(idx) > 1 else 0.0
-        out[idx] = centred / (std + ADV_EPS) if loss == "grpo" else centred
+        out[idx] = centred / (std + ADV_EPS) if loss != "dr_grpo" else centred  # dapo: GRPO's (TRL's "group")
     return out
 
 
-@pytest.mark.parametrize("loss", ["grpo", "dr_grpo"])
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo"])
 def test_advantages_match_numpy(loss: str) -> None:
     np.testing.assert_allclose(advantages(REWARDS, GROUPS, loss), _direct_advantages(loss), rtol=1e-12, atol=1e-12)
 
@@ -68,12 +68,14 @@ def _fixed_batch():
     return logp, old, ref, adv, mask, has_old
 
 
-@pytest.mark.parametrize("loss", ["grpo", "dr_grpo"])
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo"])
 def test_clipped_objective_matches_numpy(loss: str) -> None:
     logp, old, ref, adv, mask, has_old = _fixed_batch()
     lengths = mask.sum(1)
     if loss == "grpo":
         w = (1.0 / (lengths * 3))[:, None].expand(3, 6)
+    elif loss == "dapo":
+        w = torch.full((3, 6), 1.0 / lengths.sum().item())
     else:
         w = torch.full((3, 6), 1.0 / (lengths.max().item() * 3))
     eps, beta = 0.2, 0.05
@@ -87,12 +89,32 @@ def test_clipped_objective_matches_numpy(loss: str) -> None:
     per_token = (pg + beta * kl) * m
     if loss == "grpo":  # mean over each sequence's tokens, then over sequences
         want = np.mean(per_token.sum(1) / m.sum(1))
+    elif loss == "dapo":  # every token of the batch alike (TRL's default loss_type)
+        want = per_token.sum() / m.sum()
     else:  # constant normaliser: max completion length x sequences
         want = per_token.sum() / (m.sum(1).max() * 3)
     assert got.item() == pytest.approx(want, rel=1e-5)
     clipped = ((ratio * a > np.clip(ratio, 1 - eps, 1 + eps) * a) * m).sum()
     assert stats["clipped_tokens"].item() == clipped > 0
     assert stats["kl_sum"].item() == pytest.approx((kl * m).sum(), rel=1e-5)
+
+
+def test_token_weights_are_each_losss_normaliser(tiny_model_dir: Path) -> None:
+    """Each completion token's weight, from the trainer's own documents, against TRL's normalisers written out:
+    grpo 1 / (len_i x N); dr_grpo 1 / (max_completion_length x N), or the batch's longest completion when unset;
+    dapo 1 / (every completion token of the batch)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    texts = [" 4", " four, I think", " 5"]
+    raw = [{"prompt": "2+2=", "completion": c, "reward": float(i)} for i, c in enumerate(texts)]
+    rows = parse_rl_rows(raw)
+    lengths = np.array([len(tok(r["completion"], add_special_tokens=False)["input_ids"]) + 1 for r in raw])  # + EOS
+    for loss, mcl, want in [("grpo", None, 1 / (lengths * 3)), ("dr_grpo", None, [1 / (lengths.max() * 3)] * 3),
+                            ("dr_grpo", 64, [1 / (64 * 3)] * 3), ("dapo", None, [1 / lengths.sum()] * 3)]:
+        docs, _ = encode_rl_rows(tok, rows, loss, max_len=64)
+        assert [sum(d.doc.targets[1:]) for d in docs] == lengths.tolist()
+        np.testing.assert_allclose(token_weights(docs, loss, mcl), want, rtol=1e-12)
 
 
 def test_a_later_step_of_a_batch_compares_rows_without_sampling_logprobs_with_the_first_step() -> None:
