@@ -131,6 +131,8 @@ class TrainArgs(BaseModel):
     # Mixture-of-experts GRPO with num_iterations > 1: the later steps reuse the experts the first step chose.
     routing_replay: bool = False
     clip_eps: float = Field(0.2, gt=0)
+    # The ratio's upper clip, 1 + clip_eps_high (DAPO's clip-higher, TRL's epsilon_high). None: 1 + clip_eps.
+    clip_eps_high: float | None = Field(None, gt=0)
     # Published checkpoints: "source" keeps each tensor's dtype of the base checkpoint (a LoRA adapter: float32).
     publish_dtype: Literal["source", "float32", "bfloat16", "float16"] = "source"
 
@@ -201,6 +203,9 @@ def _refuse_unsupported(args: TrainArgs) -> None:
     if args.distribution_strategy == "ddp" and args.tensor_parallel_size > 1:
         raise ValueError("distribution_strategy 'ddp' is data parallel only; use 'megatron' with "
                          f"tensor_parallel_size {args.tensor_parallel_size}")
+    if args.loss == "sft" and args.clip_eps_high is not None:
+        raise ValueError("clip_eps_high is a GRPO setting (the importance ratio's upper clip); an SFT loss has no "
+                         "ratio to clip")
     if args.loss == "sft" and args.kl_coef > 0:
         raise ValueError("kl_coef is a GRPO setting (loss 'grpo', 'dr_grpo' or 'dapo'): an SFT loss has no "
                          "reference to stay near; leave it at 0")

@@ -2,7 +2,8 @@
 
 * Advantages: rows are grouped by `group` (default: the prompt text, or the rendered messages).
   ``grpo`` and ``dapo``: ``(r - mean_g) / (std_g + eps)`` (unbiased std, as TRL); ``dr_grpo``: ``r - mean_g``.
-* Objective per completion token: ``-min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) + kl_coef * k3`` with
+* Objective per completion token: ``-min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A) + kl_coef * k3`` with
+  ``eps_high`` = `clip_eps_high` (DAPO's clip-higher), or ``eps`` when unset, and
   ``ratio = exp(logp - logp_sampling)`` and ``k3 = exp(ref - logp) - (ref - logp) - 1``.
 * Normalisation is a per-token weight: ``grpo`` averages tokens within a sequence and then sequences
   (``1 / (len_i * N)``); ``dr_grpo`` divides by a constant (``1 / (L * N)``, TRL's ``loss_type="dr_grpo"``, with
@@ -313,14 +314,16 @@ def grpo_objective(
     kl_coef: float = 0.0,
     ref_logp: Tensor | None = None,
     first_logp: Tensor | None = None,
+    clip_eps_high: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The weighted sum of the per-token clipped objective (+ KL) and summed token stats (clipped, kl).
+    """The weighted sum of the per-token clipped objective (+ KL) and summed token stats (clipped, kl). The ratio is
+    clipped to [1 - clip_eps, 1 + clip_eps_high] (`clip_eps_high` None: clip_eps).
 
     Tokens without a sampling logprob compare with `first_logp` (the batch's first step, in its later steps), else
     with the policy itself (ratio 1)."""
     old = torch.where(has_old > 0, old_logp, logp.detach() if first_logp is None else first_logp)
     ratio = torch.exp(logp - old)
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + (clip_eps if clip_eps_high is None else clip_eps_high))
     per_token = -torch.min(ratio * adv, clipped * adv)
     stats: dict[str, Tensor] = {}
     is_clipped = ((ratio * adv) > (clipped * adv)).float() * mask

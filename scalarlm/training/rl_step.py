@@ -133,7 +133,7 @@ def grpo_loss(trainer: "Trainer", batch: RLBatch) -> LossFn:
         ref = _reference_logp(trainer, mb) if args.kl_coef > 0 else None
         adv, old, has_old, weights = (t.to(device) for t in (m.advantages, m.old_logprobs, m.has_old, m.weights))
         loss, st = grpo_objective(logp, old, has_old, adv, weights, mb.loss_mask, args.clip_eps, args.kl_coef, ref,
-                                  first_logp=first)  # fmt: skip
+                                  first_logp=first, clip_eps_high=args.clip_eps_high)  # fmt: skip
         zero = torch.zeros((), device=loss.device)
         routing = trainer.routing.take_counts() if trainer.routing is not None else torch.zeros(2)
         stats = torch.stack([loss.detach(), st["clipped_tokens"], st["tokens"], st.get("kl_sum", zero),

@@ -42,6 +42,7 @@ MORE_REFUSALS: list[tuple[dict[str, Any], str]] = [
     ({"loss": "sft", "kl_coef": 0.1}, "kl_coef is a GRPO setting"),
     ({"loss": "grpo", "pack": False}, "pack: false is an SFT setting"),
     ({"loss": "dapo", "max_completion_length": 64}, "max_completion_length is dr_grpo's normaliser"),
+    ({"loss": "sft", "clip_eps_high": 0.28}, "clip_eps_high is a GRPO setting"),
 ]
 
 ENGINE_FLAGS = "tests/unit/inference/test_engine_settings_flags.py::test_engine_settings_are_the_engine_args_vllm_reads"
@@ -172,6 +173,9 @@ EVIDENCE: dict[str, list[str]] = {
                        "tests/unit/training/test_grpo.py::test_token_weights_are_each_losss_normaliser"],
     "TrainArgs.kl_coef": [
         GRPO_JOB,  # kl_coef 0.01: a kl metric, 0 at the first step and > 0 after
+        "tests/unit/training/test_grpo.py::test_clipped_objective_matches_numpy",
+    ],
+    "TrainArgs.clip_eps_high": [  # rl_step.py passes it as the objective's upper clip (NumPy: clip-higher at 0.28)
         "tests/unit/training/test_grpo.py::test_clipped_objective_matches_numpy",
     ],
     "TrainArgs.clip_eps": [  # rl_step.py passes args.clip_eps as the objective's clip range

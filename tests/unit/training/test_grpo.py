@@ -68,8 +68,8 @@ def _fixed_batch():
     return logp, old, ref, adv, mask, has_old
 
 
-@pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo"])
-def test_clipped_objective_matches_numpy(loss: str) -> None:
+@pytest.mark.parametrize(("loss", "eps_high"), [("grpo", None), ("dr_grpo", None), ("dapo", None), ("dapo", 0.28)])
+def test_clipped_objective_matches_numpy(loss: str, eps_high: float | None) -> None:
     logp, old, ref, adv, mask, has_old = _fixed_batch()
     lengths = mask.sum(1)
     if loss == "grpo":
@@ -79,12 +79,13 @@ def test_clipped_objective_matches_numpy(loss: str) -> None:
     else:
         w = torch.full((3, 6), 1.0 / (lengths.max().item() * 3))
     eps, beta = 0.2, 0.05
-    got, stats = grpo_objective(logp, old, has_old, adv, w, mask, eps, beta, ref)
+    got, stats = grpo_objective(logp, old, has_old, adv, w, mask, eps, beta, ref, clip_eps_high=eps_high)
+    high = eps if eps_high is None else eps_high  # DAPO's clip-higher: the upper bound apart
 
     lp, o, rf, a, m = (x.double().numpy() for x in (logp, old, ref, adv, mask))
     o = np.where(has_old.numpy() > 0, o, lp)
     ratio = np.exp(lp - o)
-    pg = -np.minimum(ratio * a, np.clip(ratio, 1 - eps, 1 + eps) * a)
+    pg = -np.minimum(ratio * a, np.clip(ratio, 1 - eps, 1 + high) * a)
     kl = np.exp(rf - lp) - (rf - lp) - 1
     per_token = (pg + beta * kl) * m
     if loss == "grpo":  # mean over each sequence's tokens, then over sequences
@@ -94,7 +95,7 @@ def test_clipped_objective_matches_numpy(loss: str) -> None:
     else:  # constant normaliser: max completion length x sequences
         want = per_token.sum() / (m.sum(1).max() * 3)
     assert got.item() == pytest.approx(want, rel=1e-5)
-    clipped = ((ratio * a > np.clip(ratio, 1 - eps, 1 + eps) * a) * m).sum()
+    clipped = ((ratio * a > np.clip(ratio, 1 - eps, 1 + high) * a) * m).sum()
     assert stats["clipped_tokens"].item() == clipped > 0
     assert stats["kl_sum"].item() == pytest.approx((kl * m).sum(), rel=1e-5)
 
