@@ -18,7 +18,7 @@ from scalarlm.checkpoint import JobDir, latest_step, repair_latest
 from scalarlm.checkpoint.staging import land_orphaned
 from scalarlm.config import TrainingSettings
 from scalarlm.launcher.base import Launcher, cancel_requested, log_path, read_record, shutdown_requested
-from scalarlm.protocol.errors import EngineUnavailable
+from scalarlm.protocol.errors import ScalarLMError
 from scalarlm.protocol.training import JobStatus
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def resume_job(job: JobDir, launcher: Launcher, why: str) -> JobStatus:
     status = job.update_status(status="QUEUED", reason=reason, end_time=None, resumes=job.read_status().resumes + 1)
     try:
         launcher_id = launcher.submit(job, config)
-    except (OSError, EngineUnavailable) as e:
+    except (OSError, ScalarLMError) as e:  # no trainer could start, or the launcher now refuses the job
         return job.update_status(status="FAILED", reason=f"could not relaunch the trainer: {e}", end_time=time.time())
     logger.info("job %s: %s (resume %d)", job.job_id, reason, status.resumes)
     return job.update_status(launcher_id=launcher_id)

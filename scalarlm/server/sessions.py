@@ -59,7 +59,7 @@ class RLSessions:
         """Validate args, write the session's job dir (session=True), launch its trainer."""
         params = dict(request.train_args)
         params.setdefault("adapter_type", "full")  # sessions train every weight unless told otherwise
-        params.setdefault("loss", "grpo")  # scored rows train GRPO unless told otherwise; SFT rows train SFT
+        params.setdefault("loss", "grpo")  # an RL session: scored rows, GRPO; SFT rows only with loss "sft"
         if params.get("lr_schedule", "constant") != "constant" and "max_steps" not in params:
             raise InvalidRequest(f"lr_schedule {params['lr_schedule']!r} decays over max_steps, and a session is "
                                  "open-ended unless it names them: send max_steps (the session then takes that many "

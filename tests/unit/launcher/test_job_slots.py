@@ -139,3 +139,13 @@ def test_gpus_come_from_the_servers_own_visible_devices(settings, program, new_j
     assert _given(a, 1, wait_for) == ["4"] and _given(b, 3, wait_for) == ["5,6,7"] * 3
     for job in (a, b):
         launcher.cancel(job)
+
+
+def test_a_job_the_launcher_now_refuses_fails_its_relaunch_with_the_reason(settings, program, new_job):
+    """A job written before the launcher refused its layout (here 2 nodes) ends FAILED saying why when resumed,
+    and the sweep that resumed it goes on."""
+    from scalarlm.launcher.reconcile import resume_job
+
+    job, _ = new_job(nodes=2)
+    status = resume_job(job, LocalLauncher(settings, entry=program("complete")), "crashed")
+    assert status.status == "FAILED" and "nodes 2: the local launcher runs a job's ranks on this one node" in status.reason
