@@ -148,4 +148,5 @@ def test_a_job_the_launcher_now_refuses_fails_its_relaunch_with_the_reason(setti
 
     job, _ = new_job(nodes=2)
     status = resume_job(job, LocalLauncher(settings, entry=program("complete")), "crashed")
-    assert status.status == "FAILED" and "nodes 2: the local launcher runs a job's ranks on this one node" in status.reason
+    assert status.status == "FAILED"
+    assert "nodes 2: the local launcher runs a job's ranks on this one node" in status.reason
