@@ -258,7 +258,8 @@ def main() -> int:
             micro = rl_micro_batches(computed, computed_weights, MAX_LEN, 2, pad_id, share=share)
             plain = [d.doc for d in computed]
             shared = shared_prompt_tokens(plain, prompt_units(plain, MAX_LEN)) if share else 0
-            trainer = SimpleNamespace(args=SimpleNamespace(kl_coef=kl_coef, clip_eps=CLIP, num_iterations=1),
+            args = SimpleNamespace(kl_coef=kl_coef, clip_eps=CLIP, clip_eps_high=None, num_iterations=1)
+            trainer = SimpleNamespace(args=args,
                                       par=SimpleNamespace(device=torch.device("cpu")), lora=False, ref_model=ref_model,
                                       ddp=model, routing=None)  # fmt: skip
             loss_fn = grpo_loss(trainer, RLBatch(micro, {}, 0))

@@ -146,7 +146,7 @@ def test_a_session_saves_its_state_and_resumes_past_its_newest_version(tmp_path:
         proc = start()
         assert serve(proc, 4) == 4  # from the state at step 2, published as the version after 3
         assert (job.step_dir(3) / "model.safetensors").read_bytes() == step3
-        assert json.loads((job.state_dir / "latest.json").read_text())["step"] == 4  # saved at 4 as well
+        wait_for(lambda: json.loads((job.state_dir / "latest.json").read_text())["step"] == 4, 60, "state at 4")
         assert "the 1 step(s) between are lost, and its next step is version 4" in trainer_output(job)
         files.request_end()
         assert proc.wait(timeout=120) == 0, trainer_output(job)

@@ -27,7 +27,7 @@ def test_serving_steps_are_supersedable_except_checkpoint_steps_and_other_publis
     job.create()
     trainer = SimpleNamespace(
         config=SimpleNamespace(job_id="j", base_model="base"), args=SimpleNamespace(
-            steps_per_checkpoint=3, adapter_type="full", publish_dtype="source"),
+            steps_per_checkpoint=3, adapter_type="full", publish_dtype="source", max_checkpoints_to_keep=None),
         job=job, lora=False, bf16=False, par=SimpleNamespace(is_main=False), publisher=StagedPublisher(
             job, tmp_path / "shm", held), model=None, arch=None, base=None, base_config={}, published=0, step=0,
     )  # fmt: skip

@@ -26,7 +26,7 @@ def test_accepts_the_three_row_shapes_and_skips_blank_lines(tmp_path: Path) -> N
         [
             json.dumps({"input": "q", "output": "a"}),
             "",
-            json.dumps({"prompt": "q", "completion": "a", "reward": 1.0}),
+            json.dumps({"prompt": "q", "completion": "a", "note": 1.0}),  # other keys are ignored
             json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}),
         ],
     )
