@@ -105,10 +105,11 @@ def render(prompt: dict[str, Any] | Exception, renderer: Any) -> dict[str, Any] 
 
 
 def to_engine_prompt(item: WorkItem, tokenizer: Any) -> dict[str, Any]:
-    """The vLLM prompt for a work item: text as-is; chat messages rendered with the model's chat template."""
+    """The vLLM prompt for a work item: text as-is; chat messages (and any tools) rendered with the model's chat
+    template."""
     if item.messages is not None:
         messages = [m.model_dump(exclude_none=True) for m in item.messages]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, tools=item.tools, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 may return a BatchEncoding
             ids = ids["input_ids"]
         return {"prompt_token_ids": list(ids)}

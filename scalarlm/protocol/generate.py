@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# vLLM's bounds for a request seed (a signed 64-bit integer).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 class ChatMessage(BaseModel):
@@ -12,6 +15,27 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[Any] | None = None
+
+
+class SubmittedMessage(ChatMessage):
+    """A chat message as a client submits it. OpenAI content-part lists are accepted when every part is text: they
+    are stored as one string, joined with newlines as vLLM's own chat renderer joins them."""
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, content: str | list[Any] | None) -> str | None:
+        if not isinstance(content, list):
+            return content
+        texts = []
+        for i, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                raise ValueError(
+                    f"content[{i}] is not a text part ({{'type': 'text', 'text': ...}}): the queue takes text only; "
+                    "send images or audio to /v1/chat/completions"
+                )
+        return "\n".join(texts)
 
 
 class SamplingParams(BaseModel):
@@ -34,13 +58,54 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False
 
 
+class SubmittedSampling(SamplingParams):
+    """Sampling knobs as a client submits them: settings vLLM would refuse for every item, after the batch was
+    accepted, are refused at submission. (Stored items are read back as plain `SamplingParams`, so an item queued
+    before a check existed is still leased and fails on its own.)"""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _as_vllm_checks(self) -> "SubmittedSampling":
+        if self.temperature is not None and self.temperature > 2:
+            raise ValueError(f"temperature must be at most 2, got {self.temperature}")
+        if self.n > 1 and not self.temperature:
+            raise ValueError(
+                f"n={self.n} needs a temperature above 0: greedy decoding (temperature unset or 0) gives n identical "
+                "completions"
+            )
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if "" in stops:
+            raise ValueError("stop must not hold an empty string")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed}")
+        return self
+
+
+class ChatTools(BaseModel):
+    """OpenAI `tools` for the chat prompts of a batch: given to the model's chat template, as vLLM's chat route
+    does. The queue returns the completion text; it does not parse tool calls out of it or force one."""
+
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _choice(self) -> "ChatTools":
+        if self.tool_choice not in (None, "auto", "none"):
+            raise ValueError(
+                f"tool_choice {self.tool_choice!r}: the queue cannot force a tool call ('auto' or 'none' only); "
+                "use /v1/chat/completions for 'required' or a named function"
+            )
+        return self
+
+
 class PromptObject(BaseModel):
     """One prompt in object form: plain text or chat messages."""
 
     model_config = ConfigDict(extra="forbid")
 
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[SubmittedMessage] | None = None
 
     @model_validator(mode="after")
     def _one_of(self) -> "PromptObject":
@@ -54,40 +119,47 @@ class PromptObject(BaseModel):
 Prompt = str | PromptObject
 
 
-class GenerateRequest(SamplingParams):
+class GenerateRequest(SubmittedSampling, ChatTools):
     """POST /v1/generate. ScalarLM's SDK sends `prompts`, `model`, `max_tokens`."""
 
     prompts: list[Prompt] = Field(..., min_length=1)
     model: str | None = None
     # Seconds to wait for results before answering (ScalarLM waits; 0 answers once stored).
     wait_seconds: float | None = Field(None, ge=0)
-    # Accepted for ScalarLM compatibility; tool calling is served through /v1/chat/completions.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
 
     def sampling(self) -> SamplingParams:
         return SamplingParams.model_validate(self.model_dump(include=set(SamplingParams.model_fields)))
 
 
+class TopLogprob(BaseModel):
+    """One of the most likely tokens at a position of a completion."""
+
+    token_id: int
+    token: str | None = None
+    logprob: float
+
+
 class Completion(BaseModel):
-    """One of the `n` outputs for a prompt."""
+    """One of the `n` outputs for a prompt. With sampling `logprobs` k: `logprobs` holds each sampled token's
+    log-probability, and for k >= 1 `top_logprobs` the k most likely tokens at each position, most likely first."""
 
     text: str
     finish_reason: str | None = None
     token_ids: list[int] = Field(default_factory=list)
     logprobs: list[float] | None = None
+    top_logprobs: list[list[TopLogprob]] | None = None
     cumulative_logprob: float | None = None
 
 
 RequestStatus = Literal["queued", "leased", "completed", "failed"]
 
 
-class UploadItem(SamplingParams):
+class UploadItem(SubmittedSampling, ChatTools):
     """One element of the JSON list sent to POST /v1/generate/upload (ScalarLM's SDK writes
     `prompt`, `model`, `max_tokens`, `request_type`); sampling fields may be set per item."""
 
     prompt: Prompt | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[SubmittedMessage] | None = None
     model: str | None = None
     request_type: str | None = None
 
@@ -223,6 +295,7 @@ class WorkItem(BaseModel):
     model: str
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None
     sampling: SamplingParams
 
 

@@ -393,7 +393,7 @@ class RLRow(BaseModel):
     logprob each, instead of re-tokenizing `completion` (which may split the text differently).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN reward or logprob would poison the step
 
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None

@@ -437,6 +437,7 @@ def _work_item(request_id: str, model: str, payload: str) -> WorkItem:
         model=model,
         prompt=data.get("prompt"),
         messages=data.get("messages"),
+        tools=data.get("tools"),
         sampling=data.get("sampling") or {},
     )
 

@@ -45,8 +45,11 @@ class BatchBuilder:
         """(canonical model, items) for POST /v1/generate."""
         model = self.catalog.resolve(request.model)
         sampling = self.sampling(request.sampling())
-        self.prompts.check_prompts([(i, text) for i, p in enumerate(request.prompts) if (text := _text(p)) is not None])
-        return model, [_payload(p, sampling) for p in request.prompts]
+        texts = [(i, text) for i, p in enumerate(request.prompts) if (text := _text(p)) is not None]
+        if request.tools and texts:
+            _refuse_tools_for_text(f"prompts[{texts[0][0]}]")
+        self.prompts.check_prompts(texts)
+        return model, [_payload(p, sampling, request.tools) for p in request.prompts]
 
     def from_upload(self, stream: IO[bytes]) -> Iterator[dict[str, Any]]:
         """Items of an uploaded JSON list, validated chunk by chunk; raises InvalidRequest naming the item."""
@@ -84,7 +87,10 @@ class BatchBuilder:
                 )
                 if key is not None:
                     settled[key] = (model, sampling)
-                payload = _payload(item.prompt_object(), sampling)
+                prompt_object = item.prompt_object()
+                if item.tools and prompt_object.prompt is not None:
+                    _refuse_tools_for_text(f"file[{index}]")
+                payload = _payload(prompt_object, sampling, item.tools)
             if isinstance(payload.get("prompt"), str):
                 texts.append((index, payload["prompt"]))
             payload["model"] = model
@@ -117,12 +123,24 @@ def _text(prompt: str | PromptObject) -> str | None:
     return prompt if isinstance(prompt, str) else prompt.prompt
 
 
-def _payload(prompt: str | PromptObject, sampling: dict[str, Any]) -> dict[str, Any]:
+def _payload(prompt: str | PromptObject, sampling: dict[str, Any], tools: list[dict[str, Any]] | None = None
+             ) -> dict[str, Any]:
     if isinstance(prompt, str):
         return {"prompt": prompt, "sampling": sampling}
     if prompt.prompt is not None:
         return {"prompt": prompt.prompt, "sampling": sampling}
-    return {"messages": [m.model_dump(exclude_none=True) for m in prompt.messages or []], "sampling": sampling}
+    payload = {"messages": [m.model_dump(exclude_none=True) for m in prompt.messages or []], "sampling": sampling}
+    if tools:
+        payload["tools"] = tools
+    return payload
+
+
+def _refuse_tools_for_text(where: str) -> None:
+    raise InvalidRequest(
+        f"tools reach the model through its chat template, and {where} is plain text: send it as "
+        "{'messages': [...]} or drop tools",
+        param="tools",
+    )
 
 
 def _expect_json_list(stream: IO[bytes]) -> None:

@@ -49,7 +49,7 @@ async def test_batch_of_300_completes_with_sampling_honoured(
         items.append({"prompt": prompts[i], "sampling": {"max_tokens": 12, "temperature": 1.0, "seed": 7}})
     items.append({"prompt": prompts[0], "sampling": {"max_tokens": 12, "temperature": 1.0, "seed": 7}})
     items.append({"prompt": prompts[0], "sampling": {"max_tokens": 12}})  # greedy twin of the above
-    items.append({"prompt": prompts[1], "sampling": {"max_tokens": 5, "logprobs": 1}})
+    items.append({"prompt": prompts[1], "sampling": {"max_tokens": 5, "logprobs": 3}})
     items.append({"messages": [{"role": "user", "content": "Say hi"}], "sampling": {"max_tokens": 4, "n": 2, "temperature": 0.8}})
     items.append({"prompt": "word " * 3000, "sampling": {}})  # longer than max_model_len
     assert len(items) == 301
@@ -78,7 +78,13 @@ async def test_batch_of_300_completes_with_sampling_honoured(
     assert with_logprobs.logprobs is not None and len(with_logprobs.logprobs) == with_logprobs.completion_tokens
     assert all(lp <= 0.0 for lp in with_logprobs.logprobs)
     assert with_logprobs.outputs[0].cumulative_logprob == pytest.approx(sum(with_logprobs.logprobs), abs=1e-3)
-    assert results["0"].logprobs is None
+    # Greedy: at each position the sampled token is the most likely of the 3 asked for.
+    top = with_logprobs.outputs[0].top_logprobs
+    assert top is not None and [len(p) for p in top] == [3] * len(with_logprobs.logprobs)
+    assert [p[0].token_id for p in top] == with_logprobs.outputs[0].token_ids
+    assert [p[0].logprob for p in top] == with_logprobs.logprobs
+    assert all(p[0].logprob >= p[1].logprob >= p[2].logprob and p[0].token is not None for p in top)
+    assert results["0"].logprobs is None and results["0"].outputs[0].top_logprobs is None
 
     chat = results["299"]
     assert chat.outputs is not None and len(chat.outputs) == 2

@@ -75,6 +75,23 @@ def test_prompts_text_as_is_and_chat_through_the_model_template(tiny_model_dir) 
     assert "<|user|>\nhi" in rendered
 
 
+def test_chat_tools_reach_the_model_template(tiny_model_dir) -> None:  # noqa: ANN001
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = (
+        "{% if tools %}{% for tool in tools %}<tool>{{ tool['function']['name'] }}</tool>{% endfor %}{% endif %}"
+        "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+    )
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
+    chat = WorkItem(request_id="b", model="m", messages=[ChatMessage(role="user", content="hi")], tools=tools,
+                    sampling=SamplingParams())  # fmt: skip
+    rendered = tokenizer.decode(to_engine_prompt(chat, tokenizer=tokenizer)["prompt_token_ids"])
+    assert rendered.endswith("<tool>add</tool>hi")
+    bare = tokenizer.decode(to_engine_prompt(chat.model_copy(update={"tools": None}), tokenizer)["prompt_token_ids"])
+    assert bare.endswith("hi") and "<tool>" not in bare
+
+
 def test_sampling_cache_reuses_params_per_distinct_setting() -> None:
     from scalarlm.inference.sampling import SamplingCache
 

@@ -50,6 +50,8 @@ def test_grpo_rows_accept_a_prompt_or_a_chat_prompt_without_an_assistant_turn(tm
         ({**SCORED_CHAT, "messages": [{"role": "robot", "content": "x"}]}, ["field 'messages[0].role'", "robot"]),
         ({**SCORED_CHAT, "messages": [{"role": "user", "content": 3}]}, ["field 'messages[0].content'"]),
         ({**SCORED, "logprobs": ["a"]}, ["field 'logprobs.0'"]),
+        ({**SCORED, "reward": float("nan")}, ["field 'reward'", "finite"]),  # json.dumps writes NaN, Python reads it
+        ({**SCORED, "logprobs": [-0.5, float("-inf")]}, ["field 'logprobs.1'", "finite"]),
         ([1, 2], ["JSON object"]),
     ],
 )

@@ -27,6 +27,19 @@ BAD_GENERATE = [
     ("unknown model", b'{"prompts": ["a"], "model": "gpt-17"}', 404, "gpt-17"),
     ("prompt too long", json.dumps({"prompts": ["short", LONG_PROMPT]}).encode(), 400, "prompts[1]"),
     ("chat prompt without messages", b'{"prompts": [{"messages": []}]}', 400, "prompts.0"),
+    # What vLLM would refuse for every item after the batch was stored is refused at submission.
+    ("n > 1 with greedy decoding", b'{"prompts": ["a"], "n": 2}', 400, "temperature above 0"),
+    ("temperature NaN", b'{"prompts": ["a"], "temperature": NaN}', 400, "temperature"),
+    ("temperature above 2", b'{"prompts": ["a"], "temperature": 2.5}', 400, "temperature must be at most 2"),
+    ("top_p Infinity", b'{"prompts": ["a"], "top_p": Infinity}', 400, "top_p"),
+    ("empty stop string", b'{"prompts": ["a"], "stop": ["x", ""]}', 400, "stop"),
+    ("seed beyond int64", b'{"prompts": ["a"], "seed": 9223372036854775808}', 400, "seed"),
+    ("image content part", json.dumps({"prompts": [{"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}]}).encode(), 400, "content[0]"),
+    ("tools with a text prompt", json.dumps({"prompts": ["a"], "tools": [{"type": "function"}]}).encode(), 400,
+     "prompts[0]"),
+    ("tool_choice required", b'{"prompts": [{"messages": [{"role": "user", "content": "a"}]}], "tools": [], '
+     b'"tool_choice": "required"}', 400, "tool_choice"),
 ]
 
 
@@ -59,6 +72,9 @@ BAD_UPLOADS = [
     ("item max_tokens too large", b'[{"prompt": "a", "max_tokens": 99999}]', 400, "file[0].max_tokens"),
     ("item unknown model", b'[{"prompt": "a", "model": "nope"}]', 404, "nope"),
     ("item prompt too long", json.dumps([{"prompt": "a"}, {"prompt": LONG_PROMPT}]).encode(), 400, "prompts[1]"),
+    ("item n > 1 greedy", b'[{"prompt": "a"}, {"prompt": "b", "n": 3}]', 400, "item 1"),
+    ("item temperature NaN", b'[{"prompt": "a", "temperature": NaN}]', 400, "temperature"),
+    ("item tools with a text prompt", b'[{"prompt": "a", "tools": [{"type": "function"}]}]', 400, "file[0]"),
 ]
 
 

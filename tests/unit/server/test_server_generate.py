@@ -138,6 +138,23 @@ async def test_upload_items_carry_their_own_sampling_and_chat(client: httpx.Asyn
     assert [items[2]["prompt"], items[3]["prompt"]] == ["nested", "bare string"]
 
 
+async def test_text_content_parts_are_joined_and_tools_travel_with_chat_prompts(client: httpx.AsyncClient, work
+                                                                                ) -> None:
+    parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    reply = await client.post("/v1/generate", json={
+        "prompts": [{"messages": [{"role": "user", "content": parts}]}], "tools": tools, "tool_choice": "auto"})
+    assert reply.status_code == 200, reply.text
+    rows = [{"messages": [{"role": "user", "content": parts}], "tools": tools}, {"prompt": "plain"}]
+    reply = await client.post("/v1/generate/upload", files={"file": ("r.json", json.dumps(rows).encode())})
+    assert reply.status_code == 200, reply.text
+    chat, uploaded, plain = await work(client, capacity=10)
+    # As vLLM's chat renderer joins text parts for a template that takes string content.
+    assert chat["messages"] == [{"role": "user", "content": "first\nsecond"}] and chat["tools"] == tools
+    assert uploaded["messages"] == chat["messages"] and uploaded["tools"] == tools
+    assert plain["prompt"] == "plain" and plain["tools"] is None
+
+
 async def test_download_long_polls_until_complete(client: httpx.AsyncClient, work) -> None:
     reply = await client.post("/v1/generate/upload", files={"file": ("r.json", sdk_upload_file(["a", "b"]))})
     batch = reply.json()["request_id"]
