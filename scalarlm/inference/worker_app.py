@@ -26,7 +26,7 @@ from scalarlm.inference.http_source import HttpWorkSource
 from scalarlm.inference.worker import InProcessWorker
 from pydantic import ValidationError
 
-from scalarlm.protocol.backend import MODEL_HEADER, OpenAIReply, OpenAIRoute
+from scalarlm.protocol.backend import CLIENT_GONE, MODEL_HEADER, OpenAIReply, OpenAIRoute, unless_disconnected
 from scalarlm.protocol.generate import ModelVersion
 
 logger = logging.getLogger(__name__)
@@ -133,7 +133,9 @@ def create_worker_app(settings: Settings, worker: InProcessWorker | None = None)
             model = requested_model(request.headers.get(MODEL_HEADER), settings)
         except ValueError as exc:
             return _bad_json(str(exc))
-        return _to_response(await worker.backend.openai(route, body, model))
+        # The control plane closes its connection when its client leaves: end the engine's work on the request.
+        return _to_response(await unless_disconnected(request.receive, worker.backend.openai(route, body, model),
+                                                      CLIENT_GONE))
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -8,9 +8,10 @@ default both are plain in-process objects; in split mode each has an HTTP implem
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 from scalarlm.protocol.generate import (
     EngineLoad,
@@ -35,6 +36,42 @@ class OpenAIReply:
     body: dict[str, Any] | None = None
     stream: AsyncIterator[bytes] | None = None
     headers: dict[str, str] = field(default_factory=dict)
+
+
+# An OpenAI reply for a client that went away before it was ready (nginx's "client closed request"); never read.
+CLIENT_GONE = OpenAIReply(status_code=499, body={})
+
+T = TypeVar("T")
+
+
+async def unless_disconnected(receive: Callable[[], Awaitable[Mapping[str, Any]]], work: Awaitable[T],
+                              gone: T) -> T:  # fmt: skip
+    """`work`'s result, or `gone` as soon as the client disconnects (ASGI `http.disconnect` on `receive`, read after
+    the request body): `work` is then cancelled, and vLLM aborts a request whose handler is cancelled, freeing its
+    sequences. What vLLM's own server does for each request (`with_cancellation`); a handler called directly, as the
+    control plane and the split worker call it, does not get that."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await receive()).get("type") != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler itself was cancelled (shutdown): so is the work
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    return gone
 
 
 @runtime_checkable

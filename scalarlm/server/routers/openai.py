@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from scalarlm.protocol.backend import OpenAIReply, OpenAIRoute
+from scalarlm.protocol.backend import CLIENT_GONE, OpenAIReply, OpenAIRoute, unless_disconnected
 from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.server.deps import ServerState, get_backend, get_state
 from scalarlm.server.models import ModelCatalog
@@ -28,12 +28,17 @@ async def read_json_object(request: Request) -> dict[str, Any]:
     """The request body as a JSON object, or 400 saying what is wrong with it."""
     raw = await request.body()
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_not_json)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}", param="body") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object", param="body")
     return body
+
+
+def _not_json(constant: str) -> float:
+    """Python's json reads NaN and Infinity, which JSON does not have (and a forwarded body could not carry)."""
+    raise InvalidRequest(f"request body is not valid JSON: {constant} is not a JSON number", param="body")
 
 
 # The routes below take the app state with plain calls, not `Depends`: FastAPI runs a sync dependency in
@@ -95,7 +100,8 @@ async def _forward(route: OpenAIRoute, request: Request) -> Response:
     ticket = state.admission.admit(backend.load())
     streaming = False
     try:
-        reply = await backend.openai(route, body, entry)
+        # A client that leaves before its (non-streamed) answer ends the engine's work on it and frees its slot.
+        reply = await unless_disconnected(request.receive, backend.openai(route, body, entry), CLIENT_GONE)
         if reply.stream is not None:
             streaming = True  # the slot is released when the stream ends
             stream = state.admission.guard_stream(ticket, reply.stream)

@@ -48,6 +48,12 @@ async def running_app(tmp_path: Path, tiny_model_dir: Path) -> AsyncIterator[Cal
 
 
 @pytest.fixture
+def settings_with(tmp_path: Path, tiny_model_dir: Path) -> Callable[..., Settings]:
+    """settings_with(**sections): these tests' settings (make_settings) with those sections changed."""
+    return lambda **sections: make_settings(tmp_path / "home", tiny_model_dir, **sections)
+
+
+@pytest.fixture
 async def client(running_app: Callable[..., Any]) -> AsyncIterator[httpx.AsyncClient]:
     async with running_app() as c:
         yield c

@@ -9,13 +9,19 @@ stand-in.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
+import pytest
+import uvicorn
 
 from scalarlm.protocol.backend import OpenAIReply, WorkSource
 from scalarlm.protocol.generate import EngineLoad, GetWorkRequest
+from scalarlm.server.app import create_app
 
 SSE = [b'data: {"choices": [{"text": "a"}]}\n\n', b"data: [DONE]\n\n"]
 
@@ -73,6 +79,10 @@ async def test_unknown_model_is_openai_404_and_bad_bodies_400(running_app) -> No
         assert reply.status_code == 400 and "JSON" in reply.json()["error"]["message"]
         reply = await client.post("/v1/completions", json=[1, 2])
         assert reply.status_code == 400 and "object" in reply.json()["error"]["message"]
+        for constant in (b"NaN", b"Infinity", b"-Infinity"):  # Python reads them; JSON (and the worker) cannot
+            body = b'{"model": "tiny", "prompt": "a", "temperature": ' + constant + b"}"
+            reply = await client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+            assert reply.status_code == 400 and constant.decode() in reply.json()["error"]["message"], reply.text
 
 
 async def test_beyond_capacity_is_429_with_retry_after(running_app) -> None:
@@ -143,3 +153,58 @@ async def test_prometheus_text(client: httpx.AsyncClient, work) -> None:
     assert 'scalarlm_http_requests_total{method="POST",route="/v1/generate",status="400"} 1.0' in text
     assert "scalarlm_http_requests_in_flight 1.0" in text  # the scrape itself
     assert 'route="/v1/generate/get_work",status="200"' in text
+
+
+class LeftBackend:
+    """Holds every non-streamed answer for a minute and records when its request is cancelled instead; one free
+    sequence slot (a leaked admission ticket would make the next request 429)."""
+
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+        self.calls = 0
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(running=0, max_num_seqs=1)
+
+    async def healthy(self) -> bool:
+        return True
+
+    async def openai(self, route: str, body: dict[str, Any], model: Any = None) -> OpenAIReply:
+        self.calls += 1
+        if self.calls > 1:
+            return OpenAIReply(200, body={"object": "text_completion", "model": body["model"]})
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return OpenAIReply(200, body={})
+
+
+@contextmanager
+def served(app: Any) -> Iterator[str]:
+    """`app` on a real uvicorn server (a thread), so a client can really disconnect; yields its URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def test_a_client_that_leaves_ends_its_request_and_frees_its_slot(settings_with: Any) -> None:
+    worker = InProcessWorker()
+    worker.backend = LeftBackend()
+    app = create_app(settings_with(server={"admit_factor": 1.0}), worker=worker)
+    with served(app) as url:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+            httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "a"}, timeout=0.5)
+        assert worker.backend.cancelled.wait(10)  # the engine's handler was cancelled: vLLM aborts the request
+        reply = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "b"}, timeout=30)
+        assert reply.status_code == 200, reply.text  # its admission slot was given back
