@@ -319,10 +319,12 @@ class ModelEntry(BaseModel):
     name: str
     deployed: bool = False
     status: str | None = None
-    start_time: float | None = None
+    # Numbers always (ScalarLM's SDK CLI formats every `*time*` key): 0 for the base model, a queued job's submission
+    # time until it starts; train_time 0 until it starts.
+    start_time: float = 0.0
     step: int | None = None
     max_steps: int | None = None
-    train_time: float | None = None
+    train_time: float = 0.0
     loss: float | None = None
     version: int = 0
     kind: Literal["base", "full", "lora"] = "base"

@@ -53,6 +53,10 @@ from scalarlm.protocol.training import (
 logger = logging.getLogger(__name__)
 
 
+# ScalarLM's name for the newest submitted job in reads (see `TrainingJobs.resolve`).
+LATEST = "latest"
+
+
 def new_job_id() -> str:
     """A fresh id for every submission (resubmitting the same data and args trains again)."""
     return f"job-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(4)}"
@@ -267,6 +271,27 @@ class TrainingJobs:
             raise NotFound(f"training job {job_id!r} does not exist", param="job_id")
         return job
 
+    def resolve(self, name: str) -> str:
+        """The job a read names. ScalarLM's `latest` (its SDK CLI's default for `logs` and `plot`) is the newest
+        submitted job, unless a job has that name."""
+        if name != LATEST or (self.settings.jobs_dir / name / "status.json").exists():
+            return name
+        newest = max(self._configs(), key=lambda pair: pair[1].created, default=None)
+        if newest is None:
+            raise NotFound("no training job was submitted yet, so 'latest' names none", param="job_id")
+        return newest[0].job_id
+
+    def _configs(self) -> list[tuple[JobDir, TrainJobConfig]]:
+        """Every readable job with its config (an unreadable one is logged and left out)."""
+        jobs_dir = self.settings.jobs_dir
+        found = []
+        for root in [p for p in jobs_dir.iterdir() if (p / "status.json").exists()] if jobs_dir.exists() else []:
+            try:
+                found.append((JobDir(root), JobDir(root).read_config()))
+            except (OSError, ValueError) as e:
+                logger.warning("skipping job %s: %s", root, e)
+        return found
+
     def _status_body(self, job: JobDir, status: JobStatus) -> dict[str, Any]:
         body = status.model_dump(mode="json")
         body.update(job_directory=str(job.root), model_name=job.job_id)
@@ -279,7 +304,7 @@ class TrainingJobs:
 
     def describe(self, job_id: str) -> TrainingJobResponse:
         """Status (with loss history), config, published checkpoints and the latest metrics row."""
-        job = self.job(job_id)
+        job = self.job(self.resolve(job_id))
         metrics = job.read_metrics()
         status = self._status_body(job, job.read_status())
         status["history"] = history(job)
@@ -294,10 +319,10 @@ class TrainingJobs:
         )
 
     def metrics(self, job_id: str) -> list[dict[str, Any]]:
-        return self.job(job_id).read_metrics()
+        return self.job(self.resolve(job_id)).read_metrics()
 
     def logs(self, job_id: str) -> str:
-        job = self.job(job_id)
+        job = self.job(self.resolve(job_id))
         record = read_record(job)
         launcher = self.launchers.get(record.launcher if record else self.settings.training.launcher)
         if launcher is None:
@@ -307,30 +332,26 @@ class TrainingJobs:
     def list_models(self) -> ListModelsResponse:
         """The base model, then every job (oldest first) with its progress and newest checkpoint."""
         models = [ModelEntry(name=self.settings.base_model_name, deployed=True, status="READY", kind="base")]
-        jobs_dir = self.settings.jobs_dir
-        roots = [p for p in jobs_dir.iterdir() if (p / "status.json").exists()] if jobs_dir.exists() else []
         entries = []
-        for root in roots:
+        for job, config in sorted(self._configs(), key=lambda pair: pair[1].created):
             try:
-                entries.append(self._entry(JobDir(root)))
+                entries.append(self._entry(job, config))
             except (OSError, ValueError) as e:
-                logger.warning("list_models: skipping %s: %s", root, e)
-        entries.sort(key=lambda pair: pair[0])
-        return ListModelsResponse(models=models + [entry for _, entry in entries])
+                logger.warning("list_models: skipping %s: %s", job.root, e)
+        return ListModelsResponse(models=models + entries)
 
-    def _entry(self, job: JobDir) -> tuple[float, ModelEntry]:
-        config = job.read_config()
+    def _entry(self, job: JobDir, config: TrainJobConfig) -> ModelEntry:
         status = job.read_status()
         step = latest_step(job)
-        train_time = None
+        train_time = 0.0
         if status.start_time is not None:
             train_time = (status.end_time or time.time()) - status.start_time
-        entry = ModelEntry(
-            name=job.job_id, deployed=step is not None, status=status.status, start_time=status.start_time,
+        return ModelEntry(
+            name=job.job_id, deployed=step is not None, status=status.status,
+            start_time=status.start_time if status.start_time is not None else config.created,
             step=status.step, max_steps=status.max_steps or config.train_args.max_steps, train_time=train_time,
             loss=status.loss, version=step or 0, kind="lora" if config.train_args.adapter_type == "lora" else "full",
         )  # fmt: skip
-        return config.created, entry
 
     # --- control ----------------------------------------------------------------------------------
 

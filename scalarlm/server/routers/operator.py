@@ -69,6 +69,21 @@ class QueuedJob(BaseModel):
 
 class SqueueResponse(BaseModel):
     jobs: list[QueuedJob]
+    # The same jobs as text, one line each (ScalarLM's SDK CLI prints this field).
+    squeue_output: str = ""
+
+
+SQUEUE_COLUMNS = ("JOBID", "STATUS", "LAUNCHER", "LAUNCHER_ID", "STATE", "STEP", "DETAIL")
+
+
+def squeue_text(jobs: list[QueuedJob]) -> str:
+    """A table like SLURM's squeue: a header, then one left-aligned row per job."""
+    rows = [SQUEUE_COLUMNS] + [
+        (j.job_id, j.status, j.launcher or "-", j.launcher_id or "-", j.state, f"{j.step}/{j.max_steps}", j.detail or "")
+        for j in jobs
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(SQUEUE_COLUMNS))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
 class WorkerEntry(BaseModel):
@@ -163,7 +178,7 @@ def squeue(jobs: JobsDep) -> SqueueResponse:
         held.append(QueuedJob(job_id=job.job_id, status=status.status, launcher=status.launcher,
                               launcher_id=status.launcher_id, state=state, detail=detail, step=status.step,
                               max_steps=status.max_steps, start_time=status.start_time))  # fmt: skip
-    return SqueueResponse(jobs=held)
+    return SqueueResponse(jobs=held, squeue_output=squeue_text(held))
 
 
 @router.get("/v1/generate/request/{request_id}", response_model=GenerateResult)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, File, Form, Header, Request, UploadFile
-from fastapi.responses import PlainTextResponse
+from fastapi import APIRouter, Depends, File, Form, Header, Query, Request, UploadFile
+from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from scalarlm.launcher import copy_upload
 from scalarlm.protocol.errors import EngineUnavailable, InvalidRequest, PayloadTooLarge, ScalarLMError
@@ -122,6 +123,17 @@ def upload_finalize(
     uploads.discard(body.upload_id)
     count_job(request, response.job_status["job_id"])
     return response
+
+
+@router.get("/train/logs/{job_id}")
+def stream_logs(
+    job_id: str, jobs: JobsDep, starting_line_number: Annotated[int, Query(ge=0)] = 0
+) -> StreamingResponse:
+    """ScalarLM's log stream (its SDK CLI's `logs`): the job's log lines from `starting_line_number` (0-based) as
+    JSON lines `{"line_number", "line"}`; `latest` names the newest job. Declared before `/train/{job_id}/...`."""
+    lines = jobs.logs(job_id).splitlines(keepends=True)[starting_line_number:]
+    chunks = (json.dumps({"line_number": starting_line_number + i, "line": line}) + "\n" for i, line in enumerate(lines))
+    return StreamingResponse(chunks, media_type="text/event-stream")
 
 
 @router.get("/train/{job_id}", response_model=TrainingJobResponse)

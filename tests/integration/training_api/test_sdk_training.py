@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,53 @@ def test_scalarlm_sdk_trains_watches_cancels_and_deletes(sdk_python: Path, live_
     assert status["job_id"] in [m["name"] for m in out["models"]["models"]]
     assert out["cancelled"]["status"] == "CANCELLED"
     assert out["deleted"]["deleted"] is True
+
+
+CLI_PACKAGES = ["matplotlib", "humanize"]  # what the SDK's CLI imports beyond `masint`'s own needs
+
+TRAIN_ONE = """
+import sys, time
+import masint
+llm = masint.SupermassiveIntelligence(api_url=sys.argv[1])
+job_id = llm.train([{"input": "1 + 1?", "output": "2"}] * 8, train_args={"max_steps": 3})["job_status"]["job_id"]
+while llm.get_training_job(job_id)["job_status"]["status"] not in ("COMPLETED", "FAILED", "CANCELLED"):
+    time.sleep(0.2)
+print(job_id)
+"""
+
+
+def test_scalarlm_sdk_cli_lists_queues_tails_and_plots_our_jobs(sdk_python: Path, live_url, tmp_path):
+    """ScalarLM's own CLI (`scalarlm ls -A`, `squeue`, `logs`, `plot`, as its users run them) against our server: it
+    logs its failures and exits 0, so its output is what is checked."""
+    installed = subprocess.run([sdk_python, "-m", "pip", "install", "-q", *CLI_PACKAGES], capture_output=True,
+                               text=True, timeout=600)  # fmt: skip
+    if installed.returncode != 0:
+        pytest.skip(f"cannot install the SDK CLI's packages: {installed.stderr[-500:]}")
+    env = {"PATH": "/usr/bin:/bin", "SCALARLM_API_URL": live_url, "MPLBACKEND": "Agg", "HOME": str(tmp_path)}
+    trained = subprocess.run([sdk_python, "-c", TRAIN_ONE, live_url], capture_output=True, text=True, timeout=300,
+                             cwd=tmp_path, env=env)  # fmt: skip
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    job_id = trained.stdout.split()[-1]
+
+    def cli(*args: str) -> str:
+        done = subprocess.run([sdk_python, "-m", "masint.cli.main", *args], capture_output=True, text=True,
+                              timeout=300, cwd=tmp_path, env=env)  # fmt: skip
+        assert done.returncode == 0 and "ERROR" not in done.stderr, (args, done.stderr[-3000:])
+        return done.stdout
+
+    header, _, *rows = cli("ls", "-A").splitlines()
+    assert [c.strip() for c in header.split("|")][:3] == ["name", "deployed", "status"] and "train_time" in header
+    [row] = [r for r in rows if r.startswith(job_id)]
+    assert "COMPLETED" in row and time.strftime("%Y-%m-%d") in row  # start_time formatted, train_time humanized
+    assert cli("ls").splitlines()[-1] == job_id
+
+    assert cli("squeue").split()[:3] == ["JOBID", "STATUS", "LAUNCHER"]  # nothing queued or running
+
+    logs = cli("logs").splitlines()  # the default model name is `latest`: the newest job
+    assert any(line.endswith(" stand-in trainer rank 0") for line in logs), logs  # the rank's log, numbered
+    numbers = [int(line.split(" ", 1)[0]) for line in logs]
+    assert numbers == list(range(len(logs)))
+    assert cli("logs", "--model", job_id) == "\n".join(logs) + "\n"
+
+    cli("plot")  # the newest job's loss history, saved as a PDF named after its first 10 characters
+    assert (tmp_path / f"loss_plot_{job_id[:10]}.pdf").stat().st_size > 1000

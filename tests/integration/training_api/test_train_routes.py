@@ -61,6 +61,30 @@ def test_sdk_shaped_submission_trains_and_reports(client, settings, wait_status)
     assert entry["kind"] == "lora" and entry["deployed"] is False  # no checkpoint was published
 
 
+def test_latest_names_the_newest_job_in_reads_and_logs_stream_as_numbered_lines(client, settings, wait_status):
+    """ScalarLM's SDK CLI reads `latest` (its default for `logs` and `plot`) and streams logs as JSON lines."""
+    assert client.get("/v1/megatron/train/latest").status_code == 404  # no job yet: 'latest' names none
+    first = post_train(client, sdk_archive(), {"max_steps": 2}).json()["job_status"]["job_id"]
+    second = post_train(client, sdk_archive(), {"max_steps": 3}).json()["job_status"]["job_id"]
+    for job_id in (first, second):
+        assert wait_status(client, job_id)["job_status"]["status"] == "COMPLETED"
+    assert client.get("/v1/megatron/train/latest").json()["job_status"]["job_id"] == second
+    assert [m["step"] for m in client.get("/v1/megatron/train/latest/metrics").json()] == [1, 2, 3]
+
+    whole = client.get(f"/v1/megatron/train/{second}/logs").text.splitlines(keepends=True)
+    streamed = client.get("/v1/megatron/train/logs/latest", params={"starting_line_number": 1})
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    lines = [json.loads(line) for line in streamed.text.splitlines()]
+    assert lines == [{"line_number": i, "line": line} for i, line in enumerate(whole) if i >= 1] and len(whole) > 1
+    assert client.get(f"/v1/megatron/train/logs/{first}").text != streamed.text
+    assert client.get("/v1/megatron/train/logs/job-nope").status_code == 404
+
+    models = client.get("/v1/megatron/list_models").json()["models"]
+    assert [m["name"] for m in models] == [settings.base_model_name, first, second]  # oldest first
+    assert all(isinstance(m["start_time"], float) and isinstance(m["train_time"], float) for m in models)
+    assert models[0]["start_time"] == 0 and models[2]["train_time"] > 0
+
+
 def test_resubmitting_the_same_data_and_args_trains_again(client):
     first = post_train(client, sdk_archive(), {"max_steps": 3}).json()["job_status"]["job_id"]
     second = post_train(client, sdk_archive(), {"max_steps": 3}).json()["job_status"]["job_id"]
@@ -163,6 +187,9 @@ def test_unknown_job_is_404(client, method, path):
 def test_cancel_then_delete_a_running_job(client, settings, wait_status):
     job_id = post_train(client, sdk_archive(), {"max_steps": 1_000_000}).json()["job_status"]["job_id"]
     assert wait_status(client, job_id, ("RUNNING",))["job_status"]["status"] == "RUNNING"
+
+    header, row = client.get("/v1/megatron/squeue").json()["squeue_output"].splitlines()  # ScalarLM's CLI prints it
+    assert header.split()[:2] == ["JOBID", "STATUS"] and row.split()[:3] == [job_id, "RUNNING", "local"]
 
     cancelled = client.post(f"/v1/megatron/cancel/{job_id}")
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "CANCELLED"
