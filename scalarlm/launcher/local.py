@@ -143,13 +143,17 @@ class LocalLauncher:
         GPU job); else record it as waiting, QUEUED, for `admit` to start in submission order. InvalidRequest for
         a job no slot could ever take (it would wait for ever, and hold back every job submitted after it)."""
         self._check_fits(config.train_args)
-        busy = self._busy(job.job_id)
-        if busy is not None:
-            write_record(job, LaunchRecord(launcher="local", launcher_id=WAITING, submitted=time.time()))
-            job.update_status(reason=f"waiting for a free trainer slot: {busy}")
-            logger.info("job %s: waiting for a free trainer slot: %s", job.job_id, busy)
-            return WAITING
-        return self._start(job, config)
+        running = None
+        if self._limited():
+            waiting, running = self._slots()
+            ahead = sum(1 for queued, _ in waiting if queued.job_id != job.job_id)
+            busy = self._busy(config.train_args.gpus, running, ahead)
+            if busy is not None:
+                write_record(job, LaunchRecord(launcher="local", launcher_id=WAITING, submitted=time.time()))
+                job.update_status(reason=f"waiting for a free trainer slot: {busy}")
+                logger.info("job %s: waiting for a free trainer slot: %s", job.job_id, busy)
+                return WAITING
+        return self._start(job, config, running)
 
     def _check_fits(self, args: TrainArgs) -> None:
         """InvalidRequest unless this node can run the job: its ranks all run here."""
@@ -187,22 +191,14 @@ class LocalLauncher:
         training = self.settings.training
         return training.max_running_jobs > 0 or training.gpus_per_node > 0
 
-    def _busy(self, job_id: str, gpus: int | None = None, running: list[Running] | None = None,
-              ahead: int = 0) -> str | None:  # fmt: skip
-        """Why the job cannot start now (None: it can): the job limit is reached, its GPUs are taken, or jobs
-        submitted before it still wait."""
-        if not self._limited():
-            return None
+    def _busy(self, gpus: int, running: list[Running], ahead: int = 0) -> str | None:
+        """Why a job of `gpus` GPUs cannot start now beside the `running` ones (None: it can): `ahead` jobs submitted
+        before it still wait, the job limit is reached, or its GPUs are taken."""
         training = self.settings.training
-        if running is None:
-            waiting, running = self._slots()
-            ahead = sum(1 for job, _ in waiting if job.job_id != job_id)
-            if ahead:
-                return f"{ahead} jobs submitted before it wait first"
+        if ahead:
+            return f"{ahead} jobs submitted before it wait first"
         if training.max_running_jobs and len(running) >= training.max_running_jobs:
             return f"{len(running)} of training.max_running_jobs={training.max_running_jobs} trainers run"
-        if gpus is None:
-            gpus = JobDir(self.settings.jobs_dir / job_id).read_config().train_args.gpus
         taken = sum(n for _, n, _ in running)
         if training.gpus_per_node and gpus and taken + gpus > training.gpus_per_node:
             return f"it needs {gpus} GPUs and {taken} of this node's {training.gpus_per_node} are taken"
@@ -220,7 +216,7 @@ class LocalLauncher:
                 config = job.read_config()
             except (OSError, ValueError):
                 continue
-            if self._busy(job.job_id, config.train_args.gpus, running) is not None:
+            if self._busy(config.train_args.gpus, running) is not None:
                 break
             launcher_id = self._start(job, config, running)
             job.update_status(launcher_id=launcher_id, reason=None)
