@@ -223,6 +223,7 @@ def tinker_balance_loss_cases(model, tokenizer, aux_loss_coef: float, suffix: st
 def main() -> int:
     from transformers import AutoTokenizer
 
+    from scalarlm.protocol.training import TrainArgs
     from scalarlm.training.grpo import (encode_rl_rows, parse_rl_rows, prompt_units, rl_micro_batches,
                                         shared_prompt_tokens, token_weights, with_gradient)
     from scalarlm.training.launch_env import launch_env_from
@@ -258,7 +259,7 @@ def main() -> int:
             micro = rl_micro_batches(computed, computed_weights, MAX_LEN, 2, pad_id, share=share)
             plain = [d.doc for d in computed]
             shared = shared_prompt_tokens(plain, prompt_units(plain, MAX_LEN)) if share else 0
-            args = SimpleNamespace(kl_coef=kl_coef, clip_eps=CLIP, clip_eps_high=None, num_iterations=1)
+            args = TrainArgs(loss=loss_type, kl_coef=kl_coef, clip_eps=CLIP, num_iterations=1)
             trainer = SimpleNamespace(args=args,
                                       par=SimpleNamespace(device=torch.device("cpu")), lora=False, ref_model=ref_model,
                                       ddp=model, routing=None)  # fmt: skip

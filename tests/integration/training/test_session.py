@@ -5,13 +5,12 @@ $SCALARLM_NOTIFY_URL); a bad batch gets an error result and the session goes on;
 from __future__ import annotations
 
 import json
-import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from trainer_jobs import trainer_output, wait_for
+from trainer_jobs import SessionTrainer, mpi_env, trainer_output, wait_for
 
 from scalarlm.checkpoint import JobDir, latest_step, read_manifest
 from scalarlm.checkpoint.session import SessionDir
@@ -55,11 +54,6 @@ def _rows(step: int) -> list[dict]:
 
 
 def test_session_steps_publish_versions_until_end(tmp_path: Path, tiny_model_dir: Path, notify_server: str) -> None:
-    import subprocess
-    import sys
-
-    from trainer_jobs import mpi_env
-
     job = JobDir(tmp_path / "session-1")
     job.create()
     job.write_config(TrainJobConfig(job_id=job.job_id, base_model=str(tiny_model_dir), train_args=TrainArgs(**ARGS),
@@ -68,10 +62,8 @@ def test_session_steps_publish_versions_until_end(tmp_path: Path, tiny_model_dir
     files = SessionDir(job)
     files.create()
     env = {**mpi_env(), "SCALARLM_NOTIFY_URL": notify_server, "SCALARLM_NOTIFY_KEY": "sekret"}
-    log = open(job.root / "trainer-session.out", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "scalarlm.training", str(job.root)], env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-    try:
+    with SessionTrainer(job, env) as trainer:
+        proc = trainer.proc
         results = {}
         batches = {1: _rows(1), 2: [{"prompt": "x", "completion": "y"}], 3: _rows(3), 4: _rows(4)}
         for k, rows in batches.items():
@@ -92,13 +84,6 @@ def test_session_steps_publish_versions_until_end(tmp_path: Path, tiny_model_dir
         assert [read_manifest(job, s).kind for s in (1, 2, 3)] == ["full"] * 3
         assert (job.step_dir(3) / "model.safetensors").exists() and (job.step_dir(3) / "config.json").exists()
         assert (job.step_dir(1) / "model.safetensors").read_bytes() != (job.step_dir(3) / "model.safetensors").read_bytes()
-
-        files.request_end()
-        assert proc.wait(timeout=120) == 0, trainer_output(job)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait()
     status = job.read_status()
     assert status.status == "COMPLETED" and status.step == 3, status
     assert [r["step"] for r in job.read_metrics()] == [1, 2, 3]
@@ -110,12 +95,6 @@ def test_session_steps_publish_versions_until_end(tmp_path: Path, tiny_model_dir
 def test_a_session_saves_its_state_and_resumes_past_its_newest_version(tmp_path: Path, tiny_model_dir: Path) -> None:
     """State is saved every `steps_per_checkpoint` steps; a trainer killed after later steps resumes from that state
     and publishes the version after its newest one, never a published step again with other weights."""
-    import signal
-    import subprocess
-    import sys
-
-    from trainer_jobs import mpi_env
-
     job = JobDir(tmp_path / "session-kill")
     job.create()
     args = TrainArgs(**{**ARGS, "kl_coef": 0.0, "steps_per_checkpoint": 2})
@@ -124,34 +103,21 @@ def test_a_session_saves_its_state_and_resumes_past_its_newest_version(tmp_path:
     files = SessionDir(job)
     files.create()
 
-    def start() -> subprocess.Popen:
-        log = open(job.root / "trainer-session.out", "a")
-        return subprocess.Popen([sys.executable, "-m", "scalarlm.training", str(job.root)], env=mpi_env(), stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-
-    def serve(proc: subprocess.Popen, k: int) -> int:
+    def serve(trainer: SessionTrainer, k: int) -> int:
         files.write_request(k, _rows(k))
-        wait_for(lambda: files.result_path(k).exists() or proc.poll() is not None, 300, f"result {k}")
+        wait_for(lambda: files.result_path(k).exists() or trainer.proc.poll() is not None, 300, f"result {k}")
         assert files.result_path(k).exists(), trainer_output(job)
         return files.read_result(k).version
 
-    proc = start()
-    try:
-        assert [serve(proc, k) for k in (1, 2, 3)] == [1, 2, 3]
+    with SessionTrainer(job) as trainer:
+        assert [serve(trainer, k) for k in (1, 2, 3)] == [1, 2, 3]
         wait_for(lambda: json.loads((job.state_dir / "latest.json").read_text())["step"] == 2, 60, "state at step 2")
         wait_for(lambda: latest_step(job) == 3, 60, "step 3 landed")
         step3 = (job.step_dir(3) / "model.safetensors").read_bytes()
-        os.killpg(proc.pid, signal.SIGKILL)  # dies between two saves: step 3 is published, its state is not
-        proc.wait()
-        proc = start()
-        assert serve(proc, 4) == 4  # from the state at step 2, published as the version after 3
+        trainer.kill()  # dies between two saves: step 3 is published, its state is not
+        trainer.start()
+        assert serve(trainer, 4) == 4  # from the state at step 2, published as the version after 3
         assert (job.step_dir(3) / "model.safetensors").read_bytes() == step3
         wait_for(lambda: json.loads((job.state_dir / "latest.json").read_text())["step"] == 4, 60, "state at 4")
         assert "the 1 step(s) between are lost, and its next step is version 4" in trainer_output(job)
-        files.request_end()
-        assert proc.wait(timeout=120) == 0, trainer_output(job)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait()
     assert latest_step(job) == 4

@@ -10,16 +10,14 @@ is 0: a group of equal rewards, a reward equal to its group's mean). Results and
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
-from trainer_jobs import mpi_env, trainer_output, wait_for
+from trainer_jobs import SessionTrainer, trainer_output, wait_for
 
 from scalarlm.checkpoint import JobDir
 from scalarlm.checkpoint.session import SessionDir
@@ -47,19 +45,9 @@ def session_trainer(root: Path, model: Path, policy: str) -> Iterator[tuple[JobD
     job.write_config(TrainJobConfig(job_id=job.job_id, base_model=str(model), train_args=TrainArgs(**ARGS),
                                     session=True, session_max_staleness=1, session_stale_policy=policy))  # fmt: skip
     job.dataset_path.write_text("")
-    files = SessionDir(job)
-    files.create()
-    log = open(job.root / "trainer-session.out", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "scalarlm.training", str(job.root)], env=mpi_env(), stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-    try:
-        yield job, files, proc
-        files.request_end()
-        assert proc.wait(timeout=120) == 0, trainer_output(job)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+    SessionDir(job).create()
+    with SessionTrainer(job) as trainer:
+        yield job, trainer.files, trainer.proc
 
 
 def _request(files: SessionDir, k: int, rows: list[dict], version: int | None) -> None:

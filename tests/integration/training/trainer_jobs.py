@@ -14,11 +14,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import pytest
 
 from scalarlm.checkpoint import JobDir
+from scalarlm.checkpoint.session import SessionDir
 from scalarlm.protocol.training import TrainArgs, TrainJobConfig
 
 # Short question -> answer pairs the tiny model memorises in a few dozen steps.
@@ -87,6 +89,42 @@ def run_trainer(job: JobDir, ranks: int = 1, timeout: float = 300) -> int:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+class SessionTrainer:
+    """A session trainer (`python -m scalarlm.training <job_dir>` of a session job) in its own process group, output
+    appended to `trainer-session.out`. As a context manager: started on entry; on a clean exit asked to end (it must
+    exit 0); its group killed if it still runs, whatever happened. `kill()` then `start()` restarts it."""
+
+    def __init__(self, job: JobDir, env: dict[str, str] | None = None) -> None:
+        self.job, self.files, self.env = job, SessionDir(job), env or mpi_env()
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> subprocess.Popen:
+        with open(self.job.root / "trainer-session.out", "a") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "scalarlm.training", str(self.job.root)], env=self.env,
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        return self.proc
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def __enter__(self) -> "SessionTrainer":
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+                 ) -> None:
+        assert self.proc is not None
+        try:
+            if exc_type is None:
+                self.files.request_end()
+                assert self.proc.wait(timeout=120) == 0, trainer_output(self.job)
+        finally:
+            if self.proc.poll() is None:
+                self.kill()
 
 
 def child_pids(proc: subprocess.Popen) -> list[int]:

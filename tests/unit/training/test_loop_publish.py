@@ -12,6 +12,7 @@ import pytest
 
 from scalarlm.checkpoint import JobDir, list_steps
 from scalarlm.checkpoint.staging import StagedPublisher
+from scalarlm.protocol.training import TrainArgs
 from scalarlm.training import loop
 from scalarlm.training.loop import Trainer
 
@@ -26,7 +27,7 @@ def test_serving_steps_are_supersedable_except_checkpoint_steps_and_other_publis
     job = JobDir.under(tmp_path / "jobs", "j")
     job.create()
     trainer = SimpleNamespace(
-        config=SimpleNamespace(job_id="j", base_model="base"), args=SimpleNamespace(
+        config=SimpleNamespace(job_id="j", base_model="base"), args=TrainArgs(
             steps_per_checkpoint=3, adapter_type="full", publish_dtype="source", max_checkpoints_to_keep=None),
         job=job, lora=False, bf16=False, par=SimpleNamespace(is_main=False), publisher=StagedPublisher(
             job, tmp_path / "shm", held), model=None, arch=None, base=None, base_config={}, published=0, step=0,
