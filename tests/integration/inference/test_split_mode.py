@@ -164,3 +164,29 @@ async def test_a_worker_answers_only_its_control_plane(split: dict[str, str]) ->
         assert (await client.get(f"{split['worker']}/health")).status_code == 200
         forwarded = await client.post(f"{split['api']}/v1/completions", json=body)  # the API presents the key
         assert forwarded.status_code == 200, forwarded.text
+
+
+async def test_a_client_that_leaves_ends_its_request_in_the_engine(split: dict[str, str], vllm_engine: Any) -> None:
+    """Through the control plane and the split worker: a client that gives up on a non-streamed completion ends the
+    engine's work on it (the control plane closes its connection to the worker, whose handler is cancelled, and vLLM
+    aborts the request) well before the request would have finished."""
+    import time
+
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 400, "ignore_eos": True, "n": 16, "temperature": 1.0}
+
+    def engine_idle() -> bool:
+        return vllm_engine.load.in_flight == 0 and vllm_engine.llm.output_processor.get_num_unfinished_requests() == 0
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        started = time.monotonic()
+        whole = await client.post(f"{split['api']}/v1/completions", json=body)
+        assert whole.status_code == 200, whole.text
+        full = time.monotonic() - started
+        assert full > 1.0, f"the request took {full:.2f} s: too short to see it cut"
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120, read=0.3)) as client:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+            await client.post(f"{split['api']}/v1/completions", json=body)
+    left = time.monotonic()
+    while not engine_idle():
+        assert time.monotonic() - left < full / 2, f"the engine still runs the request after {full / 2:.2f} s"
+        await asyncio.sleep(0.02)

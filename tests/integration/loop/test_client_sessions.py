@@ -165,7 +165,7 @@ async def test_pipeline_generates_the_next_batch_while_a_step_trains(api_url: st
     try:
         llm = AsyncScalarLM(api_url)
         async with await llm.rl_session() as session:
-            steps = [s async for s in session.pipeline(_prompts, _score, 3, max_tokens=2, n=2)]
+            steps = [s async for s in session.pipeline(_prompts, _score, 3, max_tokens=2, n=2, temperature=1.0)]
         # Batch 2 is generated on version 0 while step 1 trains, batch 3 on version 1 while step 2 trains.
         assert [(s.index, s.generated_version, s.version, s.response.staleness) for s in steps] == [
             (0, 0, 1, 0), (1, 0, 2, 1), (2, 1, 3, 1)]  # fmt: skip
