@@ -124,6 +124,10 @@ class TrainArgs(BaseModel):
     # dr_grpo's constant: the longest completion the sampler may write (TRL's max_completion_length). None: the
     # longest completion of each step's batch.
     max_completion_length: int | None = Field(None, ge=1)
+    # How advantages are scaled (TRL's scale_rewards): "group" divides each reward's distance from its group's mean by
+    # the group's std, "batch" by the std of every reward of the step, "none" not at all. None: the loss's own
+    # ("none" for dr_grpo, else "group").
+    scale_rewards: Literal["group", "batch", "none"] | None = None
     kl_coef: float = Field(0.0, ge=0)
     # GRPO jobs: optimizer steps over each batch of groups (TRL's num_iterations, the paper's mu). The later steps'
     # ratio compares with the first step's logprobs where a row has no sampling logprobs.
@@ -186,6 +190,11 @@ class TrainArgs(BaseModel):
         return self.steps_per_publish or self.steps_per_checkpoint
 
     @property
+    def reward_scaling(self) -> Literal["group", "batch", "none"]:
+        """How this job scales its advantages: `scale_rewards`, else its loss's own."""
+        return self.scale_rewards or ("none" if self.loss == "dr_grpo" else "group")
+
+    @property
     def trains_balance_loss(self) -> bool:
         """A MoE load-balancing loss is trained: its value depends on every token a forward pass holds (so rows that
         share a prompt cannot compute it once, and a datum is its own forward pass when a gradient is taken)."""
@@ -209,6 +218,8 @@ def _refuse_unsupported(args: TrainArgs) -> None:
     if args.loss == "sft" and args.kl_coef > 0:
         raise ValueError("kl_coef is a GRPO setting (loss 'grpo', 'dr_grpo' or 'dapo'): an SFT loss has no "
                          "reference to stay near; leave it at 0")
+    if args.loss == "sft" and args.scale_rewards is not None:
+        raise ValueError("scale_rewards is a GRPO setting (how advantages are scaled); an SFT loss has no rewards")
     if args.max_completion_length is not None and args.loss != "dr_grpo":
         raise ValueError("max_completion_length is dr_grpo's normaliser; the other losses do not read it")
     if args.loss != "sft" and not args.pack:

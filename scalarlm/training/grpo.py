@@ -1,7 +1,8 @@
 """GRPO, Dr. GRPO and DAPO: group-normalised advantages and the clipped importance-ratio objective, per token.
 
-* Advantages: rows are grouped by `group` (default: the prompt text, or the rendered messages).
-  ``grpo`` and ``dapo``: ``(r - mean_g) / (std_g + eps)`` (unbiased std, as TRL); ``dr_grpo``: ``r - mean_g``.
+* Advantages: rows are grouped by `group` (default: the prompt text, or the rendered messages); ``r - mean_g``,
+  scaled as `scale_rewards` says (TRL's): "group" ``/ (std_g + eps)`` (unbiased std, the default of ``grpo`` and
+  ``dapo``), "batch" ``/ (std + eps)`` over every reward of the step, "none" unscaled (``dr_grpo``'s default).
 * Objective per completion token: ``-min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A) + kl_coef * k3`` with
   ``eps_high`` = `clip_eps_high` (DAPO's clip-higher), or ``eps`` when unset, and
   ``ratio = exp(logp - logp_sampling)`` and ``k3 = exp(ref - logp) - (ref - logp) - 1``.
@@ -43,20 +44,24 @@ def group_key(row: RLRow) -> str:
     return json.dumps(row.messages, sort_keys=True)
 
 
-def advantages(rewards: Sequence[float], groups: Sequence[str], loss: str) -> list[float]:
-    """Group-normalised advantages (`loss` "grpo" and "dapo" divide by the group's std, "dr_grpo" does not)."""
+def advantages(rewards: Sequence[float], groups: Sequence[str], scaling: str) -> list[float]:
+    """Group-centred advantages, scaled by each group's std (`scaling` "group"), the whole batch's ("batch"), or not
+    at all ("none"). A group of equal rewards has advantage exactly 0."""
     members: dict[str, list[int]] = defaultdict(list)
     for i, g in enumerate(groups):
         members[g].append(i)
+    every = torch.tensor(list(rewards), dtype=torch.float64)
+    batch_std = every.std() if len(rewards) > 1 else torch.zeros((), dtype=torch.float64)
     out = [0.0] * len(rewards)
     for idx in members.values():
-        r = torch.tensor([rewards[i] for i in idx], dtype=torch.float64)
+        r = every[idx]
         if bool((r == r[0]).all()):
             continue  # equal rewards: exactly 0 (a float mean of equal values can miss them by an ulp)
         centred = r - r.mean()
-        if loss != "dr_grpo":
-            std = r.std() if len(idx) > 1 else torch.zeros((), dtype=torch.float64)
-            centred = centred / (std + ADV_EPS)
+        if scaling == "group":
+            centred = centred / (r.std() + ADV_EPS)  # a group of one has equal rewards: skipped above
+        elif scaling == "batch":
+            centred = centred / (batch_std + ADV_EPS)
         for i, a in zip(idx, centred.tolist()):
             out[i] = a
     return out
@@ -86,8 +91,10 @@ def _prompt_ids(tokenizer: Any, row: RLRow, index: int) -> list[int]:
     return list(tokenizer(row.prompt or "", add_special_tokens=True)["input_ids"])
 
 
-def encode_rl_rows(tokenizer: Any, rows: Sequence[RLRow], loss: str, max_len: int) -> tuple[list[RLDoc], dict[str, Any]]:
-    """Tokenize scored rows (prompt + completion [+ EOS]) with advantages; stats for metrics.
+def encode_rl_rows(tokenizer: Any, rows: Sequence[RLRow], scaling: str, max_len: int
+                   ) -> tuple[list[RLDoc], dict[str, Any]]:
+    """Tokenize scored rows (prompt + completion [+ EOS]) with advantages (scaled as `scaling`: `advantages`); stats
+    for metrics.
 
     Sampling logprobs must cover the completion tokens: with one more logprob than completion tokens the
     sampled EOS is appended; without logprobs EOS is appended (the model learns to stop); a count that matches
@@ -95,7 +102,7 @@ def encode_rl_rows(tokenizer: Any, rows: Sequence[RLRow], loss: str, max_len: in
     Rows with `completion_token_ids` (in the vocabulary) train on exactly those tokens, as sampled (EOS included
     when it was sampled); their logprobs must match them one to one, or the row is counted and trains on-policy.
     """
-    adv = advantages([r.reward for r in rows], [group_key(r) for r in rows], loss)
+    adv = advantages([r.reward for r in rows], [group_key(r) for r in rows], scaling)
     vocab = len(tokenizer)
     docs, mismatched, truncated = [], 0, 0
     for index, (row, a) in enumerate(zip(rows, adv)):

@@ -67,7 +67,7 @@ def rl_batch(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> RLBatch:
     """Validate and tokenize `raw_rows` (InvalidRequest if bad); this DP rank's share, packed."""
     args, par = trainer.args, trainer.par
     rows = parse_rl_rows(raw_rows)
-    docs, stats = encode_rl_rows(trainer.tokenizer, rows, args.loss, trainer.max_len)
+    docs, stats = encode_rl_rows(trainer.tokenizer, rows, args.reward_scaling, trainer.max_len)
     tokens = sum(len(d.doc.tokens) for d in docs)
     weights = token_weights(docs, args.loss, args.max_completion_length)
     skipped = stats["rows_skipped"] = 0

@@ -43,6 +43,7 @@ MORE_REFUSALS: list[tuple[dict[str, Any], str]] = [
     ({"loss": "grpo", "pack": False}, "pack: false is an SFT setting"),
     ({"loss": "dapo", "max_completion_length": 64}, "max_completion_length is dr_grpo's normaliser"),
     ({"loss": "sft", "clip_eps_high": 0.28}, "clip_eps_high is a GRPO setting"),
+    ({"loss": "sft", "scale_rewards": "batch"}, "scale_rewards is a GRPO setting"),
 ]
 
 ENGINE_FLAGS = "tests/unit/inference/test_engine_settings_flags.py::test_engine_settings_are_the_engine_args_vllm_reads"
@@ -174,6 +175,11 @@ EVIDENCE: dict[str, list[str]] = {
     "TrainArgs.kl_coef": [
         GRPO_JOB,  # kl_coef 0.01: a kl metric, 0 at the first step and > 0 after
         "tests/unit/training/test_grpo.py::test_clipped_objective_matches_numpy",
+    ],
+    "TrainArgs.scale_rewards": [  # "batch": a real dr_grpo job's step divided by the batch's reward std (NumPy)
+        "tests/integration/training/test_grpo_job.py::"
+        "test_scale_rewards_batch_divides_by_the_std_of_every_reward_of_the_step",
+        "tests/unit/training/test_grpo.py::test_advantages_match_numpy",
     ],
     "TrainArgs.clip_eps_high": [  # rl_step.py passes it as the objective's upper clip (NumPy: clip-higher at 0.28)
         "tests/unit/training/test_grpo.py::test_clipped_objective_matches_numpy",

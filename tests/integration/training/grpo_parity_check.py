@@ -250,7 +250,8 @@ def main() -> int:
                 model, ref_model = load_model(model_dir), load_model(model_dir, noise=0.05).eval()
                 model.train()
                 loaded = model_dir
-            docs, _ = encode_rl_rows(tokenizer, parse_rl_rows(rows(tokenizer)), loss_type, MAX_LEN)
+            args = TrainArgs(loss=loss_type, kl_coef=kl_coef, clip_eps=CLIP, num_iterations=1)
+            docs, _ = encode_rl_rows(tokenizer, parse_rl_rows(rows(tokenizer)), args.reward_scaling, MAX_LEN)
             weights = token_weights(docs, loss_type)
             computed, computed_weights, skipped_rows, skipped_tokens = docs, weights, 0, 0
             if kl_coef == 0:  # as `rl_step.rl_batch` does then
@@ -259,7 +260,6 @@ def main() -> int:
             micro = rl_micro_batches(computed, computed_weights, MAX_LEN, 2, pad_id, share=share)
             plain = [d.doc for d in computed]
             shared = shared_prompt_tokens(plain, prompt_units(plain, MAX_LEN)) if share else 0
-            args = TrainArgs(loss=loss_type, kl_coef=kl_coef, clip_eps=CLIP, num_iterations=1)
             trainer = SimpleNamespace(args=args,
                                       par=SimpleNamespace(device=torch.device("cpu")), lora=False, ref_model=ref_model,
                                       ddp=model, routing=None)  # fmt: skip

@@ -118,3 +118,23 @@ def test_dr_grpo_divides_by_max_completion_length(tmp_path: Path, tiny_model_dir
     assert firsts[0]["grad_norm"] > 0 and firsts[0]["loss"] != 0
     assert firsts[1]["grad_norm"] == pytest.approx(firsts[0]["grad_norm"] * ratio, rel=1e-5), firsts
     assert firsts[1]["loss"] == pytest.approx(firsts[0]["loss"] * ratio, rel=1e-5), firsts
+
+
+def test_scale_rewards_batch_divides_by_the_std_of_every_reward_of_the_step(tmp_path: Path, tiny_model_dir: Path
+                                                                            ) -> None:  # fmt: skip
+    """TRL's `scale_rewards: "batch"` on dr_grpo (unscaled by default): the same first step (ratio 1, no KL) has its
+    loss and gradient divided by the std of the step's rewards (NumPy), where each group's own std would differ."""
+    import numpy as np
+
+    firsts = []
+    for name, more in (("unscaled", {}), ("batch", {"scale_rewards": "batch"})):
+        job = make_job(tmp_path, name, tiny_model_dir, _rows(), max_steps=1, batch_size=3, loss="dr_grpo",
+                       adapter_type="full", lr_schedule="constant", max_completion_length=64, **more)  # fmt: skip
+        assert run_trainer(job) == 0, trainer_output(job)
+        firsts.append(job.read_metrics()[0])
+    rewards = np.array([r["reward"] for r in _rows()])  # the step's 3 groups: every row
+    factor = 1 / (rewards.std(ddof=1) + 1e-4)
+    assert abs(factor - 1 / (rewards[:3].std(ddof=1) + 1e-4)) > 0.1  # a group's std would give another factor
+    assert firsts[0]["grad_norm"] > 0 and firsts[0]["loss"] != 0
+    assert firsts[1]["grad_norm"] == pytest.approx(firsts[0]["grad_norm"] * factor, rel=1e-5), firsts
+    assert firsts[1]["loss"] == pytest.approx(firsts[0]["loss"] * factor, rel=1e-5), firsts

@@ -144,7 +144,7 @@ def test_grpo_chat_prompts_use_the_template(base_tokenizer) -> None:
     tok = _tokenizer(base_tokenizer, "qwen", generation=True)
     row = RLRow(messages=CHAT[:2], completion="It is four.", reward=1.0)
     other = RLRow(messages=CHAT[:2], completion="Five.", reward=0.0)
-    docs, _ = encode_rl_rows(tok, [row, other], "grpo", max_len=128)
+    docs, _ = encode_rl_rows(tok, [row, other], "group", max_len=128)
     prompt = prompt_ids(tok, CHAT[:2], "row 0")
     assert list(docs[0].doc.tokens[: len(prompt)]) == prompt
     assert not any(docs[0].doc.targets[: len(prompt)]) and all(docs[0].doc.targets[len(prompt) :])

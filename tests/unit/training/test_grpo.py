@@ -28,32 +28,48 @@ REWARDS = [1.0, 0.0, 0.5, 2.0, 2.0, 2.0, -1.0]
 GROUPS = ["a", "a", "a", "b", "b", "b", "c"]
 
 
-def _direct_advantages(loss: str) -> np.ndarray:
+def _direct_advantages(scaling: str) -> np.ndarray:
+    """TRL's: centred on the group mean; divided by the group's unbiased std, the whole batch's, or nothing."""
     r = np.array(REWARDS)
     out = np.zeros_like(r)
     for g in set(GROUPS):
         idx = [i for i, x in enumerate(GROUPS) if x == g]
         centred = r[idx] - r[idx].mean()
-        std = r[idx].std(ddof=1) if len(idx) > 1 else 0.0
-        out[idx] = centred / (std + ADV_EPS) if loss != "dr_grpo" else centred  # dapo: GRPO's (TRL's "group")
+        std = {"group": r[idx].std(ddof=1) if len(idx) > 1 else 0.0, "batch": r.std(ddof=1), "none": None}[scaling]
+        out[idx] = centred / (std + ADV_EPS) if std is not None else centred
     return out
 
 
-@pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo"])
-def test_advantages_match_numpy(loss: str) -> None:
-    np.testing.assert_allclose(advantages(REWARDS, GROUPS, loss), _direct_advantages(loss), rtol=1e-12, atol=1e-12)
+@pytest.mark.parametrize("scaling", ["group", "batch", "none"])
+def test_advantages_match_numpy(scaling: str) -> None:
+    np.testing.assert_allclose(advantages(REWARDS, GROUPS, scaling), _direct_advantages(scaling), rtol=1e-12,
+                               atol=1e-12)  # fmt: skip
+    assert not np.allclose(_direct_advantages(scaling), _direct_advantages("group" if scaling != "group" else "none"))
+
+
+@pytest.mark.parametrize(("loss", "scale_rewards", "scaling"), [
+    ("grpo", None, "group"), ("dapo", None, "group"), ("dr_grpo", None, "none"), ("dr_grpo", "batch", "batch"),
+    ("grpo", "none", "none"), ("dapo", "batch", "batch"),
+])  # fmt: skip
+def test_each_loss_scales_its_advantages_as_trl_unless_told(loss: str, scale_rewards: str | None, scaling: str) -> None:
+    from scalarlm.protocol.training import TrainArgs
+
+    assert TrainArgs(loss=loss, scale_rewards=scale_rewards).reward_scaling == scaling
+    with pytest.raises(ValueError, match="scale_rewards is a GRPO setting"):
+        TrainArgs(loss="sft", scale_rewards="group")
 
 
 def test_equal_rewards_and_singletons_have_zero_advantage() -> None:
-    adv = advantages(REWARDS, GROUPS, "grpo")
+    adv = advantages(REWARDS, GROUPS, "group")
     assert adv[3:] == [0.0, 0.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("loss", ["grpo", "dr_grpo"])
-def test_a_group_of_equal_rewards_has_advantage_exactly_zero_even_where_their_float_mean_is_not_them(loss: str) -> None:
+@pytest.mark.parametrize("scaling", ["group", "batch", "none"])
+def test_a_group_of_equal_rewards_has_advantage_exactly_zero_even_where_their_float_mean_is_not_them(scaling: str
+                                                                                                     ) -> None:
     rewards = [0.1, 0.1, 0.1, 0.7, 0.7, 0.7]
     assert sum(rewards[:3]) / 3 != 0.1  # the float mean misses the value by an ulp, so r - mean would not be 0
-    assert advantages(rewards, ["a"] * 3 + ["b"] * 3, loss) == [0.0] * 6
+    assert advantages(rewards, ["a"] * 3 + ["b"] * 3, scaling) == [0.0] * 6
 
 
 def _fixed_batch():
@@ -113,7 +129,7 @@ def test_token_weights_are_each_losss_normaliser(tiny_model_dir: Path) -> None:
     lengths = np.array([len(tok(r["completion"], add_special_tokens=False)["input_ids"]) + 1 for r in raw])  # + EOS
     for loss, mcl, want in [("grpo", None, 1 / (lengths * 3)), ("dr_grpo", None, [1 / (lengths.max() * 3)] * 3),
                             ("dr_grpo", 64, [1 / (64 * 3)] * 3), ("dapo", None, [1 / lengths.sum()] * 3)]:
-        docs, _ = encode_rl_rows(tok, rows, loss, max_len=64)
+        docs, _ = encode_rl_rows(tok, rows, "group", max_len=64)
         assert [sum(d.doc.targets[1:]) for d in docs] == lengths.tolist()
         np.testing.assert_allclose(token_weights(docs, loss, mcl), want, rtol=1e-12)
 
@@ -142,7 +158,7 @@ def test_equal_reward_group_contributes_no_gradient() -> None:
     emb = torch.nn.Embedding(vocab, dim)
     head = torch.nn.Linear(dim, vocab)
     tokens = torch.randint(0, vocab, (6, 7))
-    adv = torch.tensor(advantages(REWARDS[:6], GROUPS[:6], "grpo"), dtype=torch.float32)[:, None].expand(6, 7)
+    adv = torch.tensor(advantages(REWARDS[:6], GROUPS[:6], "group"), dtype=torch.float32)[:, None].expand(6, 7)
     logits = head(emb(tokens[:, :-1]))
     logp = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0]
     mask = torch.ones_like(logp)
@@ -171,8 +187,8 @@ def test_rows_line_up_with_tokens(tiny_model_dir: Path) -> None:
             {"prompt": "3+3=", "completion": "6", "reward": 1.0, "logprobs": [-9.0] * 40},  # re-tokenized: on-policy
         ]
     )
-    for loss in ("grpo", "dr_grpo"):
-        docs, stats = encode_rl_rows(tok, rows, loss, max_len=64)
+    for loss, scaling in (("grpo", "group"), ("dr_grpo", "none")):
+        docs, stats = encode_rl_rows(tok, rows, scaling, max_len=64)
         assert stats["logprobs_mismatched_rows"] == 1 and stats["groups"] == 2
         assert docs[0].doc.tokens[-1] == tok.eos_token_id and sum(docs[0].doc.targets) == n + 1
         weights = token_weights(docs, loss)
@@ -201,7 +217,7 @@ def test_rows_of_one_prompt_pack_as_one_shared_prefix_document(tiny_model_dir: P
     raw = [dict(r, completion_token_ids=tok(r["completion"], add_special_tokens=False)["input_ids"]) for r in raw]
     for r in raw[:4]:
         r["logprobs"] = r["logprobs"][: len(r["completion_token_ids"])]
-    docs, _ = encode_rl_rows(tok, parse_rl_rows(raw), "grpo", max_len=64)
+    docs, _ = encode_rl_rows(tok, parse_rl_rows(raw), "group", max_len=64)
     weights = token_weights(docs, "grpo")
     cut = len(tok("What is 2+2?")["input_ids"]) - 1
     (plain,) = rl_micro_batches(docs, weights, 64, 8, pad_id=0, share=False)
@@ -281,7 +297,7 @@ def test_sampled_token_ids_are_trained_as_sampled(tiny_model_dir: Path) -> None:
         {"prompt": "2+2=", "completion": text, "completion_token_ids": ids, "reward": 0.5, "logprobs": [-0.5]},
         {"prompt": "2+2=", "completion": text, "completion_token_ids": [len(tok) + 5], "reward": 0.2},
     ])  # fmt: skip
-    docs, stats = encode_rl_rows(tok, rows, "grpo", max_len=64)
+    docs, stats = encode_rl_rows(tok, rows, "group", max_len=64)
 
     prompt = len(tok("2+2=")["input_ids"])
     assert list(docs[0].doc.tokens[prompt:]) == odd and docs[0].old_logprobs == (-0.25,) * len(odd)
@@ -299,7 +315,7 @@ def test_packed_micro_batches_split_documents_in_order_without_padding(tiny_mode
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     rows = parse_rl_rows([{"prompt": f"{i}+{i}=", "completion": " x" * (1 + i % 5), "reward": float(i % 3),
                            "group": str(i // 3)} for i in range(12)])  # fmt: skip
-    docs, _ = encode_rl_rows(tok, rows, "grpo", max_len=32)
+    docs, _ = encode_rl_rows(tok, rows, "group", max_len=32)
     micro = rl_micro_batches(docs, token_weights(docs, "grpo"), 32, 2, pad_id=0)
     assert len(micro) > 1 and all(m.batch.tokens.shape[1] <= 2 * 32 for m in micro)
     flat = [t for m in micro for t in m.batch.tokens[0].tolist()]
@@ -321,7 +337,7 @@ def test_asked_for_a_count_the_micro_batches_are_the_same_after_fillers(tiny_mod
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     rows = parse_rl_rows([{"prompt": f"{i}+{i}=", "completion": " x" * (1 + i % 5), "reward": float(i % 3),
                            "group": str(i // 3)} for i in range(12)])  # fmt: skip
-    docs, _ = encode_rl_rows(tok, rows, "grpo", max_len=32)
+    docs, _ = encode_rl_rows(tok, rows, "group", max_len=32)
     weights = token_weights(docs, "grpo")
     natural = rl_micro_batches(docs, weights, 32, 2, pad_id=0)
     padded = rl_micro_batches(docs, weights, 32, 2, pad_id=0, count=len(natural) + 2)
