@@ -137,6 +137,9 @@ class TrainArgs(BaseModel):
     clip_eps: float = Field(0.2, gt=0)
     # The ratio's upper clip, 1 + clip_eps_high (DAPO's clip-higher, TRL's epsilon_high). None: 1 + clip_eps.
     clip_eps_high: float | None = Field(None, gt=0)
+    # TRL's importance_sampling_level: "token" (a ratio per token) or "sequence" (GSPO: one ratio per completion, the
+    # exp of the mean of its tokens' log ratios; GSPO's paper clips it at clip_eps 3e-4, clip_eps_high 4e-4).
+    importance_sampling_level: Literal["token", "sequence"] = "token"
     # Published checkpoints: "source" keeps each tensor's dtype of the base checkpoint (a LoRA adapter: float32).
     publish_dtype: Literal["source", "float32", "bfloat16", "float16"] = "source"
 
@@ -218,6 +221,9 @@ def _refuse_unsupported(args: TrainArgs) -> None:
     if args.loss == "sft" and args.kl_coef > 0:
         raise ValueError("kl_coef is a GRPO setting (loss 'grpo', 'dr_grpo' or 'dapo'): an SFT loss has no "
                          "reference to stay near; leave it at 0")
+    if args.loss == "sft" and args.importance_sampling_level != "token":
+        raise ValueError("importance_sampling_level is a GRPO setting (how the importance ratio is taken); an SFT loss "
+                         "has no ratio")
     if args.loss == "sft" and args.scale_rewards is not None:
         raise ValueError("scale_rewards is a GRPO setting (how advantages are scaled); an SFT loss has no rewards")
     if args.max_completion_length is not None and args.loss != "dr_grpo":

@@ -5,7 +5,9 @@
   ``dapo``), "batch" ``/ (std + eps)`` over every reward of the step, "none" unscaled (``dr_grpo``'s default).
 * Objective per completion token: ``-min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A) + kl_coef * k3`` with
   ``eps_high`` = `clip_eps_high` (DAPO's clip-higher), or ``eps`` when unset, and
-  ``ratio = exp(logp - logp_sampling)`` and ``k3 = exp(ref - logp) - (ref - logp) - 1``.
+  ``ratio = exp(logp - logp_sampling)`` and ``k3 = exp(ref - logp) - (ref - logp) - 1``. With
+  `importance_sampling_level` "sequence" (GSPO, TRL's) every token of a completion takes one ratio,
+  ``exp(mean over its tokens of (logp - logp_sampling))``, its gradient reaching each of them through the mean.
 * Normalisation is a per-token weight: ``grpo`` averages tokens within a sequence and then sequences
   (``1 / (len_i * N)``); ``dr_grpo`` divides by a constant (``1 / (L * N)``, TRL's ``loss_type="dr_grpo"``, with
   ``L`` = `max_completion_length`, or the batch's longest completion when unset); ``dapo`` weighs every completion
@@ -155,18 +157,19 @@ def encode_rl_rows(tokenizer: Any, rows: Sequence[RLRow], scaling: str, max_len:
 @dataclass
 class RLMicroBatch:
     """A padding-free micro-batch plus per-position (aligned with its labels, [1, T]) advantage, sampling logprob,
-    whether that logprob is known, and normalising weight."""
+    whether that logprob is known, normalising weight and completion (segment)."""
 
     batch: MicroBatch
     advantages: Tensor
     old_logprobs: Tensor
     has_old: Tensor
     weights: Tensor
+    # Which completion each position predicts a token of (its document's index in the step + 1; 0: none).
+    segments: Tensor
 
     def to(self, device: torch.device) -> "RLMicroBatch":
-        return RLMicroBatch(
-            self.batch.to(device), *(t.to(device) for t in (self.advantages, self.old_logprobs, self.has_old, self.weights))
-        )
+        tensors = (self.advantages, self.old_logprobs, self.has_old, self.weights, self.segments)
+        return RLMicroBatch(self.batch.to(device), *(t.to(device) for t in tensors))
 
 
 def token_weights(docs: Sequence[RLDoc], loss: str, max_completion_length: int | None = None) -> list[float]:
@@ -195,14 +198,18 @@ def with_gradient(docs: Sequence[RLDoc], weights: Sequence[float]) -> tuple[list
             sum(sum(d.doc.targets[1:]) for d in left))  # fmt: skip
 
 
-def doc_token_inputs(doc: RLDoc, weight: float) -> Tensor:
-    """[4, len(tokens)] advantage, sampling logprob, has-logprob and weight of one document, at the position that
-    predicts each completion token (position p - 1 for target p, as its labels); zero elsewhere."""
+INPUTS = 5  # per-token inputs of a document: advantage, sampling logprob, has-logprob, weight, segment
+
+
+def doc_token_inputs(doc: RLDoc, weight: float, segment: int = 1) -> Tensor:
+    """[INPUTS, len(tokens)] advantage, sampling logprob, has-logprob, weight and `segment` (the document's id in its
+    step, > 0) of one document, at the position that predicts each completion token (position p - 1 for target p,
+    as its labels); zero elsewhere."""
     n = len(doc.doc.tokens)
-    out = torch.zeros(4, n)
+    out = torch.zeros(INPUTS, n)
     positions = [p for p in range(1, n) if doc.doc.targets[p]]
     for j, p in enumerate(positions):
-        out[0, p - 1], out[3, p - 1] = doc.advantage, weight
+        out[0, p - 1], out[3, p - 1], out[4, p - 1] = doc.advantage, weight, segment
         if doc.old_logprobs is not None:
             # old_logprobs cover every completion token; the first target may be position 0 only if the prompt was
             # empty (never predicted), so align from the end.
@@ -296,15 +303,16 @@ def rl_micro_batches(
     inputs = []
     for u in units:
         cut = 0 if len(u) == 1 else _prompt_length(plain[u[0]]) - 1  # the prefix predicts nothing: zeros
-        inputs.append(torch.cat([torch.zeros(4, cut)] + [doc_token_inputs(docs[i], weights[i])[:, cut:] for i in u], 1))
+        inputs.append(torch.cat([torch.zeros(INPUTS, cut)]
+                                + [doc_token_inputs(docs[i], weights[i], i + 1)[:, cut:] for i in u], 1))
     out, fillers, first = [], [], 0
     for span in chunks(len(blocks), blocks_per_micro, count):
         if not span:
-            fillers.append(RLMicroBatch(filler_micro(pad_id), *torch.zeros(4, 1, 1)))
+            fillers.append(RLMicroBatch(filler_micro(pad_id), *torch.zeros(INPUTS, 1, 1)))
             continue
         chunk = blocks[span.start : span.stop]
         n_units = sum(b.documents for b in chunk)  # pack keeps the order: these are the next n_units units
-        per_token = torch.cat(inputs[first : first + n_units], dim=1).unsqueeze(1)  # [4, 1, T]
+        per_token = torch.cat(inputs[first : first + n_units], dim=1).unsqueeze(1)  # [INPUTS, 1, T]
         first += n_units
         out.append(RLMicroBatch(collate_packed(chunk, pad_id), *per_token))
     return fillers + out
@@ -322,14 +330,19 @@ def grpo_objective(
     ref_logp: Tensor | None = None,
     first_logp: Tensor | None = None,
     clip_eps_high: float | None = None,
+    segments: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The weighted sum of the per-token clipped objective (+ KL) and summed token stats (clipped, kl). The ratio is
     clipped to [1 - clip_eps, 1 + clip_eps_high] (`clip_eps_high` None: clip_eps).
 
     Tokens without a sampling logprob compare with `first_logp` (the batch's first step, in its later steps), else
-    with the policy itself (ratio 1)."""
+    with the policy itself (ratio 1). With `segments` (each position's completion id, as `RLMicroBatch.segments`)
+    the ratio is per completion: the exp of the mean of its tokens' log ratios (GSPO)."""
     old = torch.where(has_old > 0, old_logp, logp.detach() if first_logp is None else first_logp)
-    ratio = torch.exp(logp - old)
+    log_ratio = logp - old
+    if segments is not None:
+        log_ratio = sequence_mean(log_ratio, segments, mask)
+    ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + (clip_eps if clip_eps_high is None else clip_eps_high))
     per_token = -torch.min(ratio * adv, clipped * adv)
     stats: dict[str, Tensor] = {}
@@ -343,6 +356,17 @@ def grpo_objective(
         if kl_coef > 0:
             per_token = per_token + kl_coef * kl
     return (per_token * weights * mask).sum(), stats
+
+
+def sequence_mean(values: Tensor, segments: Tensor, mask: Tensor) -> Tensor:
+    """At each position, the mean of `values` over the masked positions of its segment (differentiable; segment 0 and
+    unmasked positions are left out of every mean)."""
+    ids = (segments * mask).long().flatten()
+    flat = (values * mask).flatten()
+    size = int(ids.max().item()) + 1 if ids.numel() else 1
+    sums = torch.zeros(size, dtype=flat.dtype, device=flat.device).index_add(0, ids, flat)
+    counts = torch.zeros(size, dtype=flat.dtype, device=flat.device).index_add(0, ids, mask.flatten().to(flat.dtype))
+    return (sums / counts.clamp(min=1))[ids].view_as(values)
 
 
 def read_rl_dataset(path: Any) -> list[dict[str, Any]]:

@@ -132,8 +132,9 @@ def grpo_loss(trainer: "Trainer", batch: RLBatch) -> LossFn:
         first = batch.first_logp[i] if batch.iteration > 0 else None
         ref = _reference_logp(trainer, mb) if args.kl_coef > 0 else None
         adv, old, has_old, weights = (t.to(device) for t in (m.advantages, m.old_logprobs, m.has_old, m.weights))
+        segments = m.segments.to(device) if args.importance_sampling_level == "sequence" else None
         loss, st = grpo_objective(logp, old, has_old, adv, weights, mb.loss_mask, args.clip_eps, args.kl_coef, ref,
-                                  first_logp=first, clip_eps_high=args.clip_eps_high)  # fmt: skip
+                                  first_logp=first, clip_eps_high=args.clip_eps_high, segments=segments)  # fmt: skip
         zero = torch.zeros((), device=loss.device)
         routing = trainer.routing.take_counts() if trainer.routing is not None else torch.zeros(2)
         stats = torch.stack([loss.detach(), st["clipped_tokens"], st["tokens"], st.get("kl_sum", zero),

@@ -44,6 +44,7 @@ MORE_REFUSALS: list[tuple[dict[str, Any], str]] = [
     ({"loss": "dapo", "max_completion_length": 64}, "max_completion_length is dr_grpo's normaliser"),
     ({"loss": "sft", "clip_eps_high": 0.28}, "clip_eps_high is a GRPO setting"),
     ({"loss": "sft", "scale_rewards": "batch"}, "scale_rewards is a GRPO setting"),
+    ({"loss": "sft", "importance_sampling_level": "sequence"}, "importance_sampling_level is a GRPO setting"),
 ]
 
 ENGINE_FLAGS = "tests/unit/inference/test_engine_settings_flags.py::test_engine_settings_are_the_engine_args_vllm_reads"
@@ -180,6 +181,12 @@ EVIDENCE: dict[str, list[str]] = {
         "tests/integration/training/test_grpo_job.py::"
         "test_scale_rewards_batch_divides_by_the_std_of_every_reward_of_the_step",
         "tests/unit/training/test_grpo.py::test_advantages_match_numpy",
+    ],
+    "TrainArgs.importance_sampling_level": [  # "sequence" (GSPO): NumPy parity, packed = padded, a real job's loss
+        "tests/unit/training/test_grpo.py::test_sequence_level_ratio_matches_numpy",
+        "tests/unit/training/test_grpo.py::test_sequence_level_packed_gives_the_padded_loss_and_gradients",
+        "tests/integration/training/test_grpo_job.py::"
+        "test_importance_sampling_level_sequence_takes_one_ratio_per_completion",
     ],
     "TrainArgs.clip_eps_high": [  # rl_step.py passes it as the objective's upper clip (NumPy: clip-higher at 0.28)
         "tests/unit/training/test_grpo.py::test_clipped_objective_matches_numpy",

@@ -138,3 +138,22 @@ def test_scale_rewards_batch_divides_by_the_std_of_every_reward_of_the_step(tmp_
     assert firsts[0]["grad_norm"] > 0 and firsts[0]["loss"] != 0
     assert firsts[1]["grad_norm"] == pytest.approx(firsts[0]["grad_norm"] * factor, rel=1e-5), firsts
     assert firsts[1]["loss"] == pytest.approx(firsts[0]["loss"] * factor, rel=1e-5), firsts
+
+
+def test_importance_sampling_level_sequence_takes_one_ratio_per_completion(tmp_path: Path, tiny_model_dir: Path
+                                                                           ) -> None:  # fmt: skip
+    """TRL's `importance_sampling_level: "sequence"` (GSPO) reaches the trainer: on the same first step, with sampling
+    logprobs far from the model's, each completion's tokens share one ratio, so the loss differs from the per-token
+    ratios' (tests/unit/training/test_grpo.py compares both with NumPy)."""
+    rows = []
+    for p in PROMPTS:
+        rows += [{"prompt": p, "completion": "", "completion_token_ids": [40, 41, 42], "logprobs": [-1.0, -9.0, -3.0],
+                  "reward": float(r)} for r in (1, 0, 0)]  # fmt: skip
+    firsts = []
+    for level in ("token", "sequence"):
+        job = make_job(tmp_path, level, tiny_model_dir, rows, max_steps=1, batch_size=3, loss="grpo", clip_eps=10.0,
+                       adapter_type="full", lr_schedule="constant", importance_sampling_level=level)  # fmt: skip
+        assert run_trainer(job) == 0, trainer_output(job)
+        firsts.append(job.read_metrics()[0])
+    assert all(m["logprobs_mismatched_rows"] == 0 for m in firsts)
+    assert firsts[0]["loss"] != pytest.approx(firsts[1]["loss"], rel=1e-3), firsts

@@ -116,6 +116,54 @@ def test_clipped_objective_matches_numpy(loss: str, eps_high: float | None) -> N
     assert stats["kl_sum"].item() == pytest.approx((kl * m).sum(), rel=1e-5)
 
 
+def _segments(mask: torch.Tensor) -> torch.Tensor:
+    """Row i's completion tokens are segment i + 1 (as `rl_micro_batches` numbers a step's documents)."""
+    return (torch.arange(1, mask.shape[0] + 1, dtype=torch.float32)[:, None] * mask)
+
+
+@pytest.mark.parametrize("eps_high", [None, 0.28])
+def test_sequence_level_ratio_matches_numpy(eps_high: float | None) -> None:
+    """GSPO (TRL's importance_sampling_level "sequence"): every token of a completion takes the exp of the mean of its
+    tokens' log ratios, clipped as the token ratio is; the row without sampling logprobs has ratio 1."""
+    logp, old, ref, adv, mask, has_old = _fixed_batch()
+    adv = adv * torch.tensor([-1.0, -1.0, 1.0])[:, None]  # so the first two rows' ratios (0.99, 1.07) are clipped
+    w = (1.0 / (mask.sum(1) * 3))[:, None].expand(3, 6)
+    eps, beta = 0.005, 0.05  # sequence ratios stay near 1: GSPO clips them tightly
+    got, stats = grpo_objective(logp, old, has_old, adv, w, mask, eps, beta, ref, clip_eps_high=eps_high,
+                                segments=_segments(mask))  # fmt: skip
+    high = eps if eps_high is None else eps_high
+
+    lp, o, rf, a, m = (x.double().numpy() for x in (logp, old, ref, adv, mask))
+    o = np.where(has_old.numpy() > 0, o, lp)
+    seq = ((lp - o) * m).sum(1) / m.sum(1)
+    ratio = np.exp(seq)[:, None] * np.ones_like(lp)
+    assert abs(seq[0]) > 0.005 and seq[2] == 0.0
+    pg = -np.minimum(ratio * a, np.clip(ratio, 1 - eps, 1 + high) * a)
+    kl = np.exp(rf - lp) - (rf - lp) - 1
+    want = np.mean(((pg + beta * kl) * m).sum(1) / m.sum(1))
+    assert got.item() == pytest.approx(want, rel=1e-5)
+    token_level, _ = grpo_objective(logp, old, has_old, adv, w, mask, eps, beta, ref, clip_eps_high=eps_high)
+    assert abs(token_level.item() - got.item()) > 1e-4  # the two levels differ on this batch
+    assert stats["clipped_tokens"].item() == ((ratio * a > np.clip(ratio, 1 - eps, 1 + high) * a) * m).sum() > 0
+
+
+def test_sequence_level_packed_gives_the_padded_loss_and_gradients() -> None:
+    """The completions of a padding-free row (one [1, T] row, segments apart) get the loss and the gradient of the
+    padded [rows, T] layout, where each row is its own sequence."""
+    logp, old, ref, adv, mask, has_old = _fixed_batch()
+    w = (1.0 / (mask.sum(1) * 3))[:, None].expand(3, 6)
+    padded_logp = logp.clone().requires_grad_(True)
+    padded, _ = grpo_objective(padded_logp, old, has_old, adv, w, mask, 0.2, segments=_segments(mask))
+    padded.backward()
+    packed_logp = logp.reshape(1, 18).clone().requires_grad_(True)
+    packed, _ = grpo_objective(packed_logp, *(t.reshape(1, 18) for t in (old, has_old, adv, w, mask)), 0.2,
+                               segments=_segments(mask).reshape(1, 18))  # fmt: skip
+    packed.backward()
+    assert packed.item() == pytest.approx(padded.item(), rel=1e-6)
+    torch.testing.assert_close(packed_logp.grad.reshape(3, 6), padded_logp.grad, rtol=1e-6, atol=1e-9)
+    assert (padded_logp.grad[mask > 0] != 0).all()  # every completion token gets the sequence ratio's gradient
+
+
 def test_token_weights_are_each_losss_normaliser(tiny_model_dir: Path) -> None:
     """Each completion token's weight, from the trainer's own documents, against TRL's normalisers written out:
     grpo 1 / (len_i x N); dr_grpo 1 / (max_completion_length x N), or the batch's longest completion when unset;
