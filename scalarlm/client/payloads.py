@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from scalarlm.protocol.errors import InvalidRequest
-from scalarlm.protocol.generate import PromptObject, SamplingParams
+from scalarlm.protocol.generate import PromptObject, SamplingParams, SubmittedSampling
 
 # Batches above this go through one file upload instead of one JSON request (as ScalarLM's SDK does).
 UPLOAD_THRESHOLD = 128
@@ -73,11 +73,11 @@ def sampling_fields(max_tokens: int | None, sampling: Mapping[str, Any]) -> dict
     if max_tokens is not None:
         given["max_tokens"] = max_tokens
     try:
-        params = SamplingParams.model_validate(given)
+        params = SubmittedSampling.model_validate(given)  # the server's own submission checks
     except ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"])
-        raise InvalidRequest(f"{field}: {first['msg']}", param=field) from None
+        raise InvalidRequest(f"{field}: {first['msg']}" if field else first["msg"], param=field or None) from None
     return params.model_dump(exclude_unset=True)
 
 

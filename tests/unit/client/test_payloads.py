@@ -42,10 +42,12 @@ def test_sampling_kwargs_validated() -> None:
     assert info.value.param == "max_tokens"
     with pytest.raises(InvalidRequest):
         sampling_fields(None, {"top_p": 2.0})
+    with pytest.raises(InvalidRequest, match="n=2 needs a temperature above 0"):  # what vLLM would refuse per item
+        sampling_fields(4, {"n": 2})
 
 
 def test_generate_payload_is_a_valid_generate_request() -> None:
-    payload = generate_payload(normalize_prompts(["a", CHAT]), "tiny", sampling_fields(4, {"n": 2}))
+    payload = generate_payload(normalize_prompts(["a", CHAT]), "tiny", sampling_fields(4, {"n": 2, "temperature": 1.0}))
     request = GenerateRequest.model_validate(payload)
     assert request.model == "tiny" and request.max_tokens == 4 and request.n == 2 and request.wait_seconds == 0
     assert "model" not in generate_payload(["a"], None, {})
