@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +26,13 @@ def atomic_write_text(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _link_or_copy(source: str, dest: str) -> None:
+    try:
+        os.link(source, dest)
+    except OSError:  # another filesystem, or links not allowed there
+        shutil.copy2(source, dest)
 
 
 # Markers the control plane leaves for the trainer (rank 0 checks them every step): stop, save state, and end
@@ -86,6 +94,18 @@ class JobDir:
 
     def step_dir(self, step: int) -> Path:
         return self.checkpoints_dir / f"step-{step}"
+
+    @property
+    def base_dir(self) -> Path:
+        """Where a job keeps its own links to a base that is another job's published step (`own_base`)."""
+        return self.root / "base"
+
+    def own_base(self, step_dir: Path) -> Path:
+        """Hard-link another job's published step into `base/` and return it: that job may prune (train arg
+        `max_checkpoints_to_keep`) or be deleted while this one still reads its base at each publish and on resume.
+        Links cost no space (jobs share one volume); a file that cannot be linked is copied."""
+        shutil.copytree(step_dir, self.base_dir, copy_function=_link_or_copy)
+        return self.base_dir
 
     def rank_log(self, rank: int) -> Path:
         return self.logs_dir / f"rank-{rank}.log"

@@ -172,6 +172,14 @@ class TrainingJobs:
             )
         return str(resolve_model(llm_name, settings.hf_cache, param="llm_name"))
 
+    def own_base(self, job: JobDir, base_model: str) -> str:
+        """`base_model` as `job` reads it: another job's published step is linked into the job (`JobDir.own_base`),
+        as that job may prune or delete it; any other base as it is."""
+        path = Path(base_model)
+        if not path.is_dir() or not path.resolve().is_relative_to(self.settings.jobs_dir.resolve()):
+            return base_model
+        return str(job.own_base(path))
+
     def launcher_for(self, args: TrainArgs) -> Launcher:
         name = args.launcher or self.settings.training.launcher
         launcher = self.launchers.get(name)
@@ -192,6 +200,7 @@ class TrainingJobs:
         job = JobDir.under(self.settings.jobs_dir, new_job_id())
         job.create()
         try:
+            base_model = self.own_base(job, base_model)
             extract_dataset(upload, job.dataset_path, self.settings.upload.max_upload_bytes)
             if "loss" not in params:
                 loss = "grpo" if first_row_scored(job.dataset_path) else "sft"
@@ -205,7 +214,7 @@ class TrainingJobs:
                 job_id=job.job_id, base_model=base_model, train_args=args, dataset_rows=rows, created=time.time()
             )
             status = self._launch(job, config, launcher)
-        except ScalarLMError:
+        except (ScalarLMError, OSError):
             shutil.rmtree(job.root, ignore_errors=True)
             raise
         logger.info("job %s: %d rows, base %s, launched by %s as %s", job.job_id, rows, base_model,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
 
 from scalarlm.checkpoint import JobDir
@@ -83,6 +84,11 @@ class RLSessions:
         base_model = self.jobs.base_model_for(args.llm_name)
         job = JobDir.under(self.jobs.settings.jobs_dir, new_job_id().replace("job-", "session-", 1))
         job.create()
+        try:
+            base_model = self.jobs.own_base(job, base_model)
+        except OSError:
+            shutil.rmtree(job.root, ignore_errors=True)
+            raise
         SessionDir(job).create()
         job.dataset_path.write_text("")
         idle = self.jobs.settings.training.session_idle_seconds

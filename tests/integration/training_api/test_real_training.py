@@ -77,6 +77,20 @@ def test_sft_job_memorises_and_its_checkpoint_opens_in_transformers(real_client,
     out = model.generate(**prompt, max_new_tokens=len(answer), do_sample=False)
     assert out[0, prompt["input_ids"].shape[1] :].tolist() == answer
 
+    # A job trained from this one's step keeps that base when this job is gone (deleted, or its steps pruned).
+    chained = post_train(real_client, sdk_archive(MEMORISE), {**TRAIN_ARGS, "max_steps": 2, "llm_name": job_id,
+                                                               "steps_per_checkpoint": 2})  # fmt: skip
+    assert chained.status_code == 200, chained.text
+    chained_id = chained.json()["job_status"]["job_id"]
+    base = Path(chained.json()["job_config"]["base_model"])
+    assert base == Path(chained.json()["job_status"]["job_directory"]) / "base"
+    assert (base / "model.safetensors").stat().st_ino == (step_dir / "model.safetensors").stat().st_ino  # a link
+    assert real_client.post(f"/v1/megatron/delete/{job_id}").json()["deleted"] is True
+    body = wait_done(real_client, chained_id, lambda s: s["status"] in ("COMPLETED", "FAILED", "CANCELLED"))
+    assert body["job_status"]["status"] == "COMPLETED", real_client.get(f"/v1/megatron/train/{chained_id}/logs").text
+    first = real_client.get(f"/v1/megatron/train/{chained_id}/metrics").json()[0]
+    assert first["loss"] < LOSS_THRESHOLD and body["checkpoints"] == [2]  # it started from the memorised weights
+
 
 def test_killed_trainer_is_failed_with_the_reason(real_client):
     job_id = post_train(real_client, sdk_archive(MEMORISE), {**TRAIN_ARGS, "max_steps": 100_000}).json()[
