@@ -75,6 +75,16 @@ async def test_session_steps_return_versions_workers_serve(control_plane) -> Non
         queued = await client.post("/v1/generate", json={"prompts": ["hi"], "model": sid})
         assert queued.status_code == 200  # the ended session's weights stay servable
 
+        # A session seeded from this one's newest step links that step into its own base/ (this one may prune it).
+        seeded = await client.post("/v1/train/sessions", json={"model_name": sid})
+        assert seeded.status_code == 200, seeded.text
+        child = JobDir.under(settings.jobs_dir, seeded.json()["session_id"])
+        origin = JobDir.under(settings.jobs_dir, sid).step_dir(5)
+        assert child.read_config().base_model == str(child.base_dir)
+        assert sorted(p.name for p in child.base_dir.iterdir()) == sorted(p.name for p in origin.iterdir())
+        assert all((child.base_dir / p.name).stat().st_ino == p.stat().st_ino for p in origin.iterdir())
+        assert (await client.delete(f"/v1/train/sessions/{child.job_id}")).status_code == 200
+
 
 async def test_bad_rows_are_400_and_a_dead_trainer_fails_the_step_fast(control_plane) -> None:
     async with control_plane(training={"poll_seconds": 0.2}) as (client, _):
