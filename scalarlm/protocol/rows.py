@@ -138,13 +138,24 @@ def check_step_row(index: int, obj: Any) -> None:
         raise _bad(where, f"must be a JSON object, got {type(obj).__name__}", "rows")
 
 
-def check_step_rows(rows: list[Any], loss: str) -> None:
+def check_finish_reason(obj: dict[str, Any], where: str, param: str) -> None:
+    """A scored row needs `finish_reason` when train arg `mask_truncated_completions` reads it."""
+    if obj.get("finish_reason") is None:
+        raise _bad(where, "field 'finish_reason' is required: train arg mask_truncated_completions leaves out the "
+                   "completions that stopped at max_tokens (finish_reason 'length'); send each generate output's "
+                   "finish_reason", param)  # fmt: skip
+
+
+def check_step_rows(rows: list[Any], loss: str, finish_reasons: bool = False) -> None:
     """Every row of an RL session step (`check_step_row`), of the kind the session's `loss` trains: scored rows for
     an RL loss, SFT rows for 'sft'. A row of the other kind is refused, never trained another way (an SFT step on
-    scored rows would train every completion whatever its reward; a scored step cannot train a row with no score)."""
+    scored rows would train every completion whatever its reward; a scored step cannot train a row with no score).
+    With `finish_reasons` (train arg mask_truncated_completions) every row must say why it stopped."""
     rl = loss != "sft"
     for i, row in enumerate(rows):
         check_step_row(i, row)
+        if finish_reasons:
+            check_finish_reason(row, f"rows[{i}]", "rows")
         if rl and "reward" not in row:
             raise _bad(f"rows[{i}]", f"field 'reward' is required: this session trains loss {loss!r} on scored "
                        "completions; SFT rows need a session created with train arg loss 'sft'", "rows")  # fmt: skip
@@ -216,10 +227,13 @@ class DatasetSummary:
     first_chat_line: int | None = None
 
 
-def summarize_dataset(path: str | Path, loss: str = "sft") -> DatasetSummary:
-    """Check every row of a JSONL dataset for a job with this `loss`; InvalidRequest naming the first bad one."""
+def summarize_dataset(path: str | Path, loss: str = "sft", finish_reasons: bool = False) -> DatasetSummary:
+    """Check every row of a JSONL dataset for a job with this `loss` (scored rows with `finish_reason` when
+    `finish_reasons`); InvalidRequest naming the first bad one."""
     if loss != "sft":
         lines = [(line, obj) for line, obj in _rl_objects(path)]
+        for line, obj in lines if finish_reasons else []:
+            check_finish_reason(obj, f"dataset line {line}", "dataset")
         chat = next((line for line, obj in lines if "messages" in obj), None)
         return DatasetSummary(len(lines), chat)
     count, chat = 0, None

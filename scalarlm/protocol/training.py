@@ -137,6 +137,10 @@ class TrainArgs(BaseModel):
     clip_eps: float = Field(0.2, gt=0)
     # The ratio's upper clip, 1 + clip_eps_high (DAPO's clip-higher, TRL's epsilon_high). None: 1 + clip_eps.
     clip_eps_high: float | None = Field(None, gt=0)
+    # TRL's mask_truncated_completions (DAPO's overlong filtering): a completion that stopped at max_tokens (row
+    # `finish_reason` "length", required on every row) adds nothing to the loss, nor to dapo's token count; its reward
+    # still counts in its group's advantages.
+    mask_truncated_completions: bool = False
     # TRL's importance_sampling_level: "token" (a ratio per token) or "sequence" (GSPO: one ratio per completion, the
     # exp of the mean of its tokens' log ratios; GSPO's paper clips it at clip_eps 3e-4, clip_eps_high 4e-4).
     importance_sampling_level: Literal["token", "sequence"] = "token"
@@ -221,6 +225,9 @@ def _refuse_unsupported(args: TrainArgs) -> None:
     if args.loss == "sft" and args.kl_coef > 0:
         raise ValueError("kl_coef is a GRPO setting (loss 'grpo', 'dr_grpo' or 'dapo'): an SFT loss has no "
                          "reference to stay near; leave it at 0")
+    if args.loss == "sft" and args.mask_truncated_completions:
+        raise ValueError("mask_truncated_completions is a GRPO setting (it leaves out completions that hit "
+                         "max_tokens); an SFT loss trains every row")
     if args.loss == "sft" and args.importance_sampling_level != "token":
         raise ValueError("importance_sampling_level is a GRPO setting (how the importance ratio is taken); an SFT loss "
                          "has no ratio")
@@ -421,6 +428,9 @@ class RLRow(BaseModel):
     group: str | None = None
     logprobs: list[float] | None = None
     completion_token_ids: list[int] | None = None
+    # Why generation stopped (generate's `finish_reason`: "stop", or "length" at max_tokens); read by train arg
+    # `mask_truncated_completions`.
+    finish_reason: str | None = None
     # The weights version that generated this completion (generate's `version`); the step's staleness is
     # measured from the oldest version among its rows and the step request's `version`.
     version: int | None = Field(None, ge=0)

@@ -205,7 +205,7 @@ class TrainingJobs:
             if "loss" not in params:
                 loss = "grpo" if first_row_scored(job.dataset_path) else "sft"
                 args = parse_train_args({**params, "loss": loss}, self.settings.training)
-            summary = summarize_dataset(job.dataset_path, args.loss)
+            summary = summarize_dataset(job.dataset_path, args.loss, args.mask_truncated_completions)
             if summary.first_chat_line is not None and not has_chat_template(Path(base_model)):
                 raise InvalidRequest(f"dataset line {summary.first_chat_line}: chat rows need a chat template, and "
                                      f"base model {base_model} has none", param="dataset")  # fmt: skip

@@ -153,7 +153,7 @@ class RLSessions:
         """Validate, then write meta-<k> and request-<k> once fewer than `max_staleness + 1` steps are in flight
         (`overlap`: the request's, resolved for its route)."""
         job, config = await asyncio.to_thread(self.session, session_id)
-        check_step_rows(request.rows, config.train_args.loss)
+        check_step_rows(request.rows, config.train_args.loss, config.train_args.mask_truncated_completions)
         files = SessionDir(job)
         generated = batch_version(request.version, request.rows)
         slots = config.session_max_staleness + 1

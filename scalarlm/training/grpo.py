@@ -71,12 +71,14 @@ def advantages(rewards: Sequence[float], groups: Sequence[str], scaling: str) ->
 
 @dataclass(frozen=True)
 class RLDoc:
-    """One scored completion as tokens: completion targets, its advantage and sampling logprobs (or None)."""
+    """One scored completion as tokens: completion targets, its advantage and sampling logprobs (or None); whether
+    its generation stopped at max_tokens (finish_reason "length")."""
 
     doc: Document
     advantage: float
     reward: float
     old_logprobs: tuple[float, ...] | None
+    at_max_tokens: bool = False
 
 
 def parse_rl_rows(rows: Sequence[dict[str, Any]]) -> list[RLRow]:
@@ -135,7 +137,8 @@ def encode_rl_rows(tokenizer: Any, rows: Sequence[RLRow], scaling: str, max_len:
                 old = old[: max(0, sum(targets))]
         if not any(targets[1:]):
             continue
-        docs.append(RLDoc(Document(tuple(tokens), tuple(targets)), a, row.reward, tuple(old) if old else None))
+        docs.append(RLDoc(Document(tuple(tokens), tuple(targets)), a, row.reward, tuple(old) if old else None,
+                          row.finish_reason == "length"))  # fmt: skip
     if not docs:
         raise InvalidRequest("no trainable rows (every completion was empty or truncated away)", param="rows")
     rewards = torch.tensor([r.reward for r in rows], dtype=torch.float64)
@@ -150,6 +153,7 @@ def encode_rl_rows(tokenizer: Any, rows: Sequence[RLRow], scaling: str, max_len:
         "advantage_abs_max": float(advs.abs().max()),
         "logprobs_mismatched_rows": mismatched,
         "truncated_rows": truncated,
+        "rows_at_max_tokens": sum(r.finish_reason == "length" for r in rows),
     }
     return docs, stats
 
@@ -172,28 +176,37 @@ class RLMicroBatch:
         return RLMicroBatch(self.batch.to(device), *(t.to(device) for t in tensors))
 
 
-def token_weights(docs: Sequence[RLDoc], loss: str, max_completion_length: int | None = None) -> list[float]:
-    """Per-document weight of each of its completion tokens (see module docstring)."""
+def token_weights(docs: Sequence[RLDoc], loss: str, max_completion_length: int | None = None,
+                  mask_at_max_tokens: bool = False) -> list[float]:  # fmt: skip
+    """Per-document weight of each of its completion tokens (see module docstring). With `mask_at_max_tokens` (TRL's
+    mask_truncated_completions) a completion that stopped at max_tokens weighs 0 and leaves dapo's token count, as
+    TRL zeroes its completion mask; the sequence counts of grpo and dr_grpo still hold it, as TRL's do."""
     n = len(docs)
     lengths = [sum(d.doc.targets[1:]) for d in docs]
+    kept = [not (mask_at_max_tokens and d.at_max_tokens) for d in docs]
     if loss == "dr_grpo":
         constant = max_completion_length or max(lengths)
-        return [1.0 / (constant * n)] * n
-    if loss == "dapo":
-        return [1.0 / sum(lengths)] * n
-    return [1.0 / (length * n) for length in lengths]
+        weights = [1.0 / (constant * n)] * n
+    elif loss == "dapo":
+        total = sum(length for length, k in zip(lengths, kept) if k)
+        weights = [1.0 / total if total else 0.0] * n
+    else:
+        weights = [1.0 / (length * n) for length in lengths]
+    return [w if k else 0.0 for w, k in zip(weights, kept)]
 
 
 def with_gradient(docs: Sequence[RLDoc], weights: Sequence[float]) -> tuple[list[RLDoc], list[float], int, int]:
     """The documents whose clipped objective has a gradient (advantage not 0: not in a group of equal rewards, not
-    at their group's mean reward) and their weights; how many were left out and their loss tokens.
+    at their group's mean reward; weight not 0: not a masked completion) and their weights; how many were left out
+    and their loss tokens.
 
     A document with advantage 0 adds exactly 0 to that loss and to its gradient at every token
     (`-min(ratio * 0, clip(ratio) * 0)`), so leaving it out changes neither, as long as nothing else (a KL term, a
     trained mixture-of-experts load-balancing loss) reads its tokens: the caller decides that. The weights stay as
     computed over every document."""
-    kept = [i for i, d in enumerate(docs) if d.advantage != 0.0]
-    left = [d for d in docs if d.advantage == 0.0]
+    useful = [d.advantage != 0.0 and w != 0.0 for d, w in zip(docs, weights)]
+    kept = [i for i, u in enumerate(useful) if u]
+    left = [d for d, u in zip(docs, useful) if not u]
     return ([docs[i] for i in kept], [weights[i] for i in kept], len(left),
             sum(sum(d.doc.targets[1:]) for d in left))  # fmt: skip
 

@@ -69,7 +69,7 @@ def rl_batch(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> RLBatch:
     rows = parse_rl_rows(raw_rows)
     docs, stats = encode_rl_rows(trainer.tokenizer, rows, args.reward_scaling, trainer.max_len)
     tokens = sum(len(d.doc.tokens) for d in docs)
-    weights = token_weights(docs, args.loss, args.max_completion_length)
+    weights = token_weights(docs, args.loss, args.max_completion_length, args.mask_truncated_completions)
     skipped = stats["rows_skipped"] = 0
     # Without a trained balance loss the balance meter only reports, over the tokens computed.
     every_token = args.trains_balance_loss

@@ -45,6 +45,7 @@ MORE_REFUSALS: list[tuple[dict[str, Any], str]] = [
     ({"loss": "sft", "clip_eps_high": 0.28}, "clip_eps_high is a GRPO setting"),
     ({"loss": "sft", "scale_rewards": "batch"}, "scale_rewards is a GRPO setting"),
     ({"loss": "sft", "importance_sampling_level": "sequence"}, "importance_sampling_level is a GRPO setting"),
+    ({"loss": "sft", "mask_truncated_completions": True}, "mask_truncated_completions is a GRPO setting"),
 ]
 
 ENGINE_FLAGS = "tests/unit/inference/test_engine_settings_flags.py::test_engine_settings_are_the_engine_args_vllm_reads"
@@ -181,6 +182,13 @@ EVIDENCE: dict[str, list[str]] = {
         "tests/integration/training/test_grpo_job.py::"
         "test_scale_rewards_batch_divides_by_the_std_of_every_reward_of_the_step",
         "tests/unit/training/test_grpo.py::test_advantages_match_numpy",
+    ],
+    "TrainArgs.mask_truncated_completions": [  # a real job's loss leaves the rows at max_tokens out (NumPy)
+        "tests/integration/training/test_grpo_job.py::"
+        "test_mask_truncated_completions_leaves_the_completions_at_max_tokens_out_of_the_loss",
+        "tests/unit/training/test_grpo.py::"
+        "test_masked_truncated_completions_weigh_nothing_as_trl_zeroes_their_completion_mask",
+        "tests/unit/protocol/test_protocol_rows.py::test_mask_truncated_completions_needs_every_rows_finish_reason",
     ],
     "TrainArgs.importance_sampling_level": [  # "sequence" (GSPO): NumPy parity, packed = padded, a real job's loss
         "tests/unit/training/test_grpo.py::test_sequence_level_ratio_matches_numpy",

@@ -157,3 +157,31 @@ def test_importance_sampling_level_sequence_takes_one_ratio_per_completion(tmp_p
         firsts.append(job.read_metrics()[0])
     assert all(m["logprobs_mismatched_rows"] == 0 for m in firsts)
     assert firsts[0]["loss"] != pytest.approx(firsts[1]["loss"], rel=1e-3), firsts
+
+
+def test_mask_truncated_completions_leaves_the_completions_at_max_tokens_out_of_the_loss(tmp_path: Path,
+                                                                                        tiny_model_dir: Path) -> None:
+    """TRL's mask_truncated_completions on a real dr_grpo job: the first step's loss (ratio 1, no KL) is
+    -sum(len_i x A_i) / (64 x N) over the completions that did not stop at max_tokens (NumPy), every row's reward in
+    its group's advantage; without the setting, over every completion."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    rows = [{**r, "finish_reason": "length" if r["completion"].endswith("!") else "stop"} for r in _rows()]
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    lengths = np.array([len(tok(r["completion"], add_special_tokens=False)["input_ids"]) + 1 for r in rows])
+    rewards = np.array([r["reward"] for r in rows]).reshape(3, 3)
+    adv = (rewards - rewards.mean(1, keepdims=True)).ravel()  # dr_grpo: centred, unscaled
+    kept = np.array([r["finish_reason"] == "stop" for r in rows])
+    losses = {}
+    for name, mask in (("every", False), ("masked", True)):
+        job = make_job(tmp_path, name, tiny_model_dir, rows, max_steps=1, batch_size=3, loss="dr_grpo",
+                       max_completion_length=64, adapter_type="full", lr_schedule="constant",
+                       mask_truncated_completions=mask)  # fmt: skip
+        assert run_trainer(job) == 0, trainer_output(job)
+        first = job.read_metrics()[0]
+        assert first["rows_at_max_tokens"] == 3
+        losses[name] = first["loss"]
+    assert losses["every"] == pytest.approx(-(lengths * adv).sum() / (64 * 9), rel=1e-5)
+    assert losses["masked"] == pytest.approx(-(lengths * adv * kept).sum() / (64 * 9), rel=1e-5)
+    assert abs(losses["masked"] - losses["every"]) > 1e-4

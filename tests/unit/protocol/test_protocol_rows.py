@@ -16,6 +16,7 @@ from scalarlm.protocol.rows import (
     first_row_scored,
     read_rl_objects,
     rl_row_from_object,
+    summarize_dataset,
     validate_dataset,
 )
 
@@ -61,6 +62,19 @@ def test_bad_grpo_row_names_its_line_and_field(tmp_path: Path, bad, words: list[
     assert err.value.status_code == 400 and err.value.message.startswith("dataset line 3: "), err.value.message
     for word in words:
         assert word in err.value.message
+
+
+def test_mask_truncated_completions_needs_every_rows_finish_reason(tmp_path: Path) -> None:
+    """With train arg mask_truncated_completions a row that does not say why it stopped is a 400 at submission (job
+    dataset and session step alike); without it, finish_reason is optional."""
+    stopped = {**SCORED, "finish_reason": "stop"}
+    assert validate_dataset(_write(tmp_path, [stopped, SCORED]), "grpo") == 2
+    with pytest.raises(InvalidRequest, match="^dataset line 2: field 'finish_reason' is required"):
+        summarize_dataset(_write(tmp_path, [stopped, SCORED]), "grpo", finish_reasons=True)
+    check_step_rows([stopped, {**SCORED, "finish_reason": "length"}], "grpo", finish_reasons=True)
+    with pytest.raises(InvalidRequest, match=r"^rows\[1\]: field 'finish_reason' is required") as err:
+        check_step_rows([stopped, SCORED], "grpo", finish_reasons=True)
+    assert err.value.param == "rows"
 
 
 def test_session_step_rows_are_named_by_index() -> None:

@@ -22,6 +22,7 @@ from scalarlm.training.grpo import (
     rl_micro_batches,
     shared_prompt_tokens,
     token_weights,
+    with_gradient,
 )
 
 REWARDS = [1.0, 0.0, 0.5, 2.0, 2.0, 2.0, -1.0]
@@ -180,6 +181,30 @@ def test_token_weights_are_each_losss_normaliser(tiny_model_dir: Path) -> None:
         docs, _ = encode_rl_rows(tok, rows, "group", max_len=64)
         assert [sum(d.doc.targets[1:]) for d in docs] == lengths.tolist()
         np.testing.assert_allclose(token_weights(docs, loss, mcl), want, rtol=1e-12)
+
+
+def test_masked_truncated_completions_weigh_nothing_as_trl_zeroes_their_completion_mask(tiny_model_dir: Path) -> None:
+    """TRL's mask_truncated_completions zeroes the completion mask of a completion that did not finish: it adds 0 to
+    every loss, leaves dapo's token count, and stays in the sequence counts of grpo and dr_grpo (TRL's `.mean()` over
+    sequences, its `L x N`); its reward still counts in its group's advantages."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    texts = [" 4", " four, I think", " 5"]
+    raw = [{"prompt": "2+2=", "completion": c, "reward": r, "finish_reason": f}
+           for c, r, f in zip(texts, (0.0, 2.0, 1.5), ("stop", "length", "stop"))]  # fmt: skip
+    rows = parse_rl_rows(raw)
+    lengths = np.array([len(tok(r["completion"], add_special_tokens=False)["input_ids"]) + 1 for r in raw])
+    docs, stats = encode_rl_rows(tok, rows, "group", max_len=64)
+    assert stats["rows_at_max_tokens"] == 1 and [d.at_max_tokens for d in docs] == [False, True, False]
+    assert docs[0].advantage < 0 < docs[2].advantage < docs[1].advantage  # its reward counts in the group's
+    keep = np.array([1.0, 0.0, 1.0])
+    for loss, mcl, want in [("grpo", None, keep / (lengths * 3)), ("dr_grpo", 64, keep / (64 * 3)),
+                            ("dapo", None, keep / (lengths * keep).sum())]:
+        np.testing.assert_allclose(token_weights(docs, loss, mcl, mask_at_max_tokens=True), want, rtol=1e-12)
+        assert token_weights(docs, loss, mcl)[1] > 0  # unmasked unless asked
+    kept, weights, left, left_tokens = with_gradient(docs, token_weights(docs, "dapo", None, True))
+    assert [d.doc for d in kept] == [docs[0].doc, docs[2].doc] and (left, left_tokens) == (1, lengths[1])
 
 
 def test_a_later_step_of_a_batch_compares_rows_without_sampling_logprobs_with_the_first_step() -> None:
