@@ -12,7 +12,8 @@
   (``1 / (len_i * N)``); ``dr_grpo`` divides by a constant (``1 / (L * N)``, TRL's ``loss_type="dr_grpo"``, with
   ``L`` = `max_completion_length`, or the batch's longest completion when unset); ``dapo`` weighs every completion
   token of the step alike (``1 / sum_i len_i``, TRL's default ``loss_type="dapo"``).
-  The weights of the whole (global) batch sum the step's loss; micro-batches and DP ranks just add up.
+  The weights of the whole (global) batch sum the step's loss; micro-batches and DP ranks just add up. With
+  `mask_truncated_completions` a completion that stopped at max_tokens weighs 0 (and leaves dapo's token count).
 * Micro-batches are padding-free, packed as SFT's (`rl_micro_batches`); these per-token inputs ride along per document,
   so packing changes no term of the sum (the padded layout gives the same loss and gradients).
 """
