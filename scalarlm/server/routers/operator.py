@@ -79,7 +79,8 @@ SQUEUE_COLUMNS = ("JOBID", "STATUS", "LAUNCHER", "LAUNCHER_ID", "STATE", "STEP",
 def squeue_text(jobs: list[QueuedJob]) -> str:
     """A table like SLURM's squeue: a header, then one left-aligned row per job."""
     rows = [SQUEUE_COLUMNS] + [
-        (j.job_id, j.status, j.launcher or "-", j.launcher_id or "-", j.state, f"{j.step}/{j.max_steps}", j.detail or "")
+        (j.job_id, j.status, j.launcher or "-", j.launcher_id or "-", j.state, f"{j.step}/{j.max_steps}",
+         j.detail or "")
         for j in jobs
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(SQUEUE_COLUMNS))]

@@ -132,7 +132,8 @@ def stream_logs(
     """ScalarLM's log stream (its SDK CLI's `logs`): the job's log lines from `starting_line_number` (0-based) as
     JSON lines `{"line_number", "line"}`; `latest` names the newest job. Declared before `/train/{job_id}/...`."""
     lines = jobs.logs(job_id).splitlines(keepends=True)[starting_line_number:]
-    chunks = (json.dumps({"line_number": starting_line_number + i, "line": line}) + "\n" for i, line in enumerate(lines))
+    chunks = (json.dumps({"line_number": starting_line_number + i, "line": line}) + "\n"
+              for i, line in enumerate(lines))
     return StreamingResponse(chunks, media_type="text/event-stream")
 
 
