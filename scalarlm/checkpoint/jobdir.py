@@ -28,10 +28,12 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _link_or_copy(source: str, dest: str) -> None:
+def link_or_copy(source: str | Path, dest: str | Path) -> None:
+    """Hard-link `source` at `dest` (a symlink's target: a hub cache snapshot's files link into its blobs), else copy
+    it (another filesystem, or links not allowed there). For files never written in place."""
     try:
-        os.link(source, dest)
-    except OSError:  # another filesystem, or links not allowed there
+        os.link(Path(source).resolve(), dest)
+    except OSError:
         shutil.copy2(source, dest)
 
 
@@ -104,7 +106,7 @@ class JobDir:
         """Hard-link another job's published step into `base/` and return it: that job may prune (train arg
         `max_checkpoints_to_keep`) or be deleted while this one still reads its base at each publish and on resume.
         Links cost no space (jobs share one volume); a file that cannot be linked is copied."""
-        shutil.copytree(step_dir, self.base_dir, copy_function=_link_or_copy)
+        shutil.copytree(step_dir, self.base_dir, copy_function=link_or_copy)
         return self.base_dir
 
     def rank_log(self, rank: int) -> Path:

@@ -12,8 +12,6 @@ index, as `save_pretrained` does; it also writes `config.json`, `generation_conf
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -24,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from scalarlm.checkpoint.jobdir import link_or_copy
 from scalarlm.protocol.errors import InvalidRequest
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -177,10 +176,7 @@ def copy_support_files(base_dir: Path, dest: Path) -> None:
             and not f.name.endswith(_WEIGHT_SUFFIXES)
             and f.stat().st_size <= _MAX_COPIED_FILE
         ):
-            try:
-                os.link(f.resolve(), dest / f.name)
-            except OSError:
-                shutil.copy2(f, dest / f.name)
+            link_or_copy(f, dest / f.name)
 
 
 def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
