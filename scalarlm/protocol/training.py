@@ -119,8 +119,11 @@ class TrainArgs(BaseModel):
     # step (nor the last) keeps no durable copy if a newer step is published before its copy begins to land.
     steps_per_publish: int | None = Field(None, ge=1)
     # "dapo": GRPO's advantages and clipped objective with every completion token of the step weighted alike (TRL's
-    # default loss_type); "dr_grpo": unscaled advantages and a constant normaliser (`max_completion_length`).
-    loss: Literal["sft", "grpo", "dr_grpo", "dapo"] = "sft"
+    # default loss_type); "dr_grpo": unscaled advantages and a constant normaliser (`max_completion_length`);
+    # "cispo" (MiniMax-M1's, TRL's): the importance weight, capped at `clip_eps_high` and detached, times the
+    # advantage and the token's logprob, weighted as dapo; "sapo" (TRL's): a smooth gate on the ratio,
+    # sigmoid(t (ratio - 1)) 4 / t, in place of the clip (t: `sapo_temperature_pos` / `_neg`), weighted as grpo.
+    loss: Literal["sft", "grpo", "dr_grpo", "dapo", "cispo", "sapo"] = "sft"
     # dr_grpo's constant: the longest completion the sampler may write (TRL's max_completion_length). None: the
     # longest completion of each step's batch.
     max_completion_length: int | None = Field(None, ge=1)
@@ -144,6 +147,19 @@ class TrainArgs(BaseModel):
     # TRL's importance_sampling_level: "token" (a ratio per token) or "sequence" (GSPO: one ratio per completion, the
     # exp of the mean of its tokens' log ratios; GSPO's paper clips it at clip_eps 3e-4, clip_eps_high 4e-4).
     importance_sampling_level: Literal["token", "sequence"] = "token"
+    # sapo's gate temperatures (TRL's): for tokens with a positive advantage, and for the others.
+    sapo_temperature_pos: float = Field(1.0, gt=0)
+    sapo_temperature_neg: float = Field(1.05, gt=0)
+    # TRL's vllm_importance_sampling_correction: the ratio compares with the trainer's own logprobs of the batch (its
+    # first step's) and each token's objective is weighted by exp(trainer - sampler logprob), per token or summed over
+    # its completion (mode "token_*" / "sequence_*"), clipped to [clip_min, clip_max] ("*_truncate") or 0 outside it
+    # ("*_mask"). Off (the default): the ratio compares with the rows' sampling logprobs, clipped as the loss clips.
+    vllm_importance_sampling_correction: bool = False
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = (
+        "sequence_mask"
+    )
+    vllm_importance_sampling_clip_max: float | None = Field(3.0, gt=0)
+    vllm_importance_sampling_clip_min: float | None = Field(None, ge=0)
     # Published checkpoints: "source" keeps each tensor's dtype of the base checkpoint (a LoRA adapter: float32).
     publish_dtype: Literal["source", "float32", "bfloat16", "float16"] = "source"
 
@@ -223,7 +239,7 @@ def _refuse_unsupported(args: TrainArgs) -> None:
         raise ValueError("clip_eps_high is a GRPO setting (the importance ratio's upper clip); an SFT loss has no "
                          "ratio to clip")
     if args.loss == "sft" and args.kl_coef > 0:
-        raise ValueError("kl_coef is a GRPO setting (loss 'grpo', 'dr_grpo' or 'dapo'): an SFT loss has no "
+        raise ValueError("kl_coef is a GRPO setting (an RL loss such as 'grpo'): an SFT loss has no "
                          "reference to stay near; leave it at 0")
     if args.loss == "sft" and args.mask_truncated_completions:
         raise ValueError("mask_truncated_completions is a GRPO setting (it leaves out completions that hit "
@@ -238,8 +254,9 @@ def _refuse_unsupported(args: TrainArgs) -> None:
     if args.loss != "sft" and not args.pack:
         raise ValueError("pack: false is an SFT setting: GRPO batches are always packed (each row kept whole, "
                          "attention within it, so packing changes no row's loss); leave it at true")
+    _refuse_unread_policy_settings(args)
     if args.loss == "sft" and (args.num_iterations > 1 or args.routing_replay):
-        raise ValueError("num_iterations and routing_replay are GRPO settings (loss 'grpo', 'dr_grpo' or 'dapo'); "
+        raise ValueError("num_iterations and routing_replay are GRPO settings (an RL loss such as 'grpo'); "
                          "SFT takes one optimizer step per batch")
     if args.routing_replay and args.num_iterations == 1:
         raise ValueError("routing_replay reuses a batch's first-step expert choices in its later steps: set "
@@ -254,6 +271,41 @@ def _refuse_unsupported(args: TrainArgs) -> None:
     if args.dtype == "bfloat16" and args.gpus == 0:
         raise ValueError("dtype 'bfloat16' needs GPUs: CPU ranks (gpus 0) train in float32; send dtype 'auto' "
                          "or 'float32', or gpus > 0")
+
+
+def _refuse_unread_policy_settings(args: TrainArgs) -> None:
+    """The settings of one GRPO objective given with a loss that does not read them, or inconsistent. "Given" is "not
+    at its default", so a stored config (every field written out) reads back as it was accepted."""
+    if args.loss == "cispo" and args.clip_eps_high is None:
+        raise ValueError("loss 'cispo' caps its importance weight at clip_eps_high (the weight itself, as TRL's "
+                         "epsilon_high for cispo, not 1 + it): send it (ScaleRL's paper uses 5.0)")
+    if args.loss in ("cispo", "sapo") and _given(args, "clip_eps"):
+        raise ValueError(f"loss {args.loss!r} does not clip the ratio from below: clip_eps is not read; leave it out")
+    if args.loss == "sapo" and args.clip_eps_high is not None:
+        raise ValueError("loss 'sapo' gates the ratio smoothly (sapo_temperature_pos / _neg) instead of clipping it: "
+                         "clip_eps_high is not read; leave it out")
+    if args.loss != "sapo" and _given(args, "sapo_temperature_pos", "sapo_temperature_neg"):
+        raise ValueError("sapo_temperature_pos / _neg are read by loss 'sapo' only; leave them out")
+    if not args.vllm_importance_sampling_correction:
+        if _given(args, *(f"vllm_importance_sampling_{k}" for k in ("mode", "clip_max", "clip_min"))):
+            raise ValueError("vllm_importance_sampling_mode / _clip_max / _clip_min shape the correction that "
+                             "vllm_importance_sampling_correction: true turns on; send it too, or leave them out")
+        return
+    if args.loss == "sft":
+        raise ValueError("vllm_importance_sampling_correction is a GRPO setting (it weighs sampled completions by "
+                         "trainer / sampler probability); an SFT loss has no sampled completions")
+    low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
+    if low is not None and high is not None and low >= high:
+        raise ValueError(f"vllm_importance_sampling_clip_min ({low}) must be less than "
+                         f"vllm_importance_sampling_clip_max ({high})")
+    if low is None and high is None and args.vllm_importance_sampling_mode.endswith("_truncate"):
+        raise ValueError("a '*_truncate' vllm_importance_sampling_mode clips the weight to [clip_min, clip_max]: "
+                         "send vllm_importance_sampling_clip_max or _clip_min (or both)")
+
+
+def _given(args: TrainArgs, *names: str) -> bool:
+    """Any of these fields differs from its default."""
+    return any(getattr(args, n) != TrainArgs.model_fields[n].default for n in names)
 
 
 class TrainJobConfig(BaseModel):

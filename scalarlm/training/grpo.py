@@ -1,17 +1,21 @@
-"""GRPO, Dr. GRPO and DAPO: group-normalised advantages and the clipped importance-ratio objective, per token.
+"""GRPO, Dr. GRPO, DAPO, CISPO and SAPO: group-normalised advantages and an importance-ratio objective, per token.
 
 * Advantages: rows are grouped by `group` (default: the prompt text, or the rendered messages); ``r - mean_g``,
-  scaled as `scale_rewards` says (TRL's): "group" ``/ (std_g + eps)`` (unbiased std, the default of ``grpo`` and
-  ``dapo``), "batch" ``/ (std + eps)`` over every reward of the step, "none" unscaled (``dr_grpo``'s default).
-* Objective per completion token: ``-min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A) + kl_coef * k3`` with
-  ``eps_high`` = `clip_eps_high` (DAPO's clip-higher), or ``eps`` when unset, and
-  ``ratio = exp(logp - logp_sampling)`` and ``k3 = exp(ref - logp) - (ref - logp) - 1``. With
-  `importance_sampling_level` "sequence" (GSPO, TRL's) every token of a completion takes one ratio,
+  scaled as `scale_rewards` says (TRL's): "group" ``/ (std_g + eps)`` (unbiased std, the default of every loss but
+  ``dr_grpo``), "batch" ``/ (std + eps)`` over every reward of the step, "none" unscaled (``dr_grpo``'s default).
+* Objective per completion token (`surrogate`): ``-min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)`` for
+  grpo, dr_grpo and dapo, with ``eps_high`` = `clip_eps_high` (DAPO's clip-higher), or ``eps`` when unset; cispo's
+  ``-min(ratio, eps_high).detach() * A * logp``; sapo's ``-sigmoid(t (ratio - 1)) 4 / t * A``; plus
+  ``kl_coef * k3``, with ``ratio = exp(logp - logp_sampling)`` and ``k3 = exp(ref - logp) - (ref - logp) - 1``.
+  With `importance_sampling_level` "sequence" (GSPO, TRL's) every token of a completion takes one ratio,
   ``exp(mean over its tokens of (logp - logp_sampling))``, its gradient reaching each of them through the mean.
+  With TRL's `vllm_importance_sampling_correction` the ratio compares with the trainer's own logprobs of the batch
+  and the policy term is weighted by the truncated or masked ``exp(logp_trainer - logp_sampling)`` (`sampler_weights`).
 * Normalisation is a per-token weight: ``grpo`` averages tokens within a sequence and then sequences
   (``1 / (len_i * N)``); ``dr_grpo`` divides by a constant (``1 / (L * N)``, TRL's ``loss_type="dr_grpo"``, with
   ``L`` = `max_completion_length`, or the batch's longest completion when unset); ``dapo`` weighs every completion
-  token of the step alike (``1 / sum_i len_i``, TRL's default ``loss_type="dapo"``).
+  token of the step alike (``1 / sum_i len_i``, TRL's default ``loss_type="dapo"``), and so does ``cispo``;
+  ``sapo`` is weighted as ``grpo`` (TRL's).
   The weights of the whole (global) batch sum the step's loss; micro-batches and DP ranks just add up. With
   `mask_truncated_completions` a completion that stopped at max_tokens weighs 0 (and leaves dapo's token count).
 * Micro-batches are padding-free, packed as SFT's (`rl_micro_batches`); these per-token inputs ride along per document,
@@ -30,7 +34,7 @@ import torch
 from torch import Tensor
 
 from scalarlm.protocol.errors import InvalidRequest
-from scalarlm.protocol.training import RLRow
+from scalarlm.protocol.training import RLRow, TrainArgs
 from scalarlm.training.chat import prompt_ids
 from scalarlm.training.data import Document, MicroBatch, balance_units, chunks, collate_packed, filler_micro, pack
 from scalarlm.training.rows import read_rl_objects, rl_row_from_object
@@ -188,7 +192,7 @@ def token_weights(docs: Sequence[RLDoc], loss: str, max_completion_length: int |
     if loss == "dr_grpo":
         constant = max_completion_length or max(lengths)
         weights = [1.0 / (constant * n)] * n
-    elif loss == "dapo":
+    elif loss in ("dapo", "cispo"):
         total = sum(length for length, k in zip(lengths, kept) if k)
         weights = [1.0 / total if total else 0.0] * n
     else:
@@ -332,6 +336,35 @@ def rl_micro_batches(
     return fillers + out
 
 
+@dataclass(frozen=True)
+class Objective:
+    """A GRPO step's per-token objective, from its TrainArgs (`of`): the surrogate ("clip": grpo, dr_grpo and dapo;
+    "cispo"; "sapo"), its bounds or temperatures, the KL weight, the ratio's level and the sampler correction
+    (TRL's vllm_importance_sampling_mode, None when off) with its [low, high] bounds."""
+
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    kl_coef: float = 0.0
+    surrogate: str = "clip"
+    sapo_temperatures: tuple[float, float] = (1.0, 1.05)  # positive advantage, the others
+    sequence_level: bool = False
+    correction: str | None = None
+    correction_bounds: tuple[float | None, float | None] = (None, 3.0)
+
+    @classmethod
+    def of(cls, args: TrainArgs) -> "Objective":
+        surrogate = args.loss if args.loss in ("cispo", "sapo") else "clip"
+        correction = args.vllm_importance_sampling_mode if args.vllm_importance_sampling_correction else None
+        return cls(args.clip_eps, args.clip_eps_high, args.kl_coef, surrogate,
+                   (args.sapo_temperature_pos, args.sapo_temperature_neg), args.importance_sampling_level == "sequence",
+                   correction, (args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max))
+
+    @property
+    def reads_segments(self) -> bool:
+        """Some term is per completion (GSPO's ratio, a sequence-level sampler correction)."""
+        return self.sequence_level or (self.correction or "").startswith("sequence")
+
+
 def grpo_objective(
     logp: Tensor,
     old_logp: Tensor,
@@ -339,48 +372,108 @@ def grpo_objective(
     adv: Tensor,
     weights: Tensor,
     mask: Tensor,
-    clip_eps: float,
-    kl_coef: float = 0.0,
+    objective: Objective = Objective(),
     ref_logp: Tensor | None = None,
     first_logp: Tensor | None = None,
-    clip_eps_high: float | None = None,
     segments: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The weighted sum of the per-token clipped objective (+ KL) and summed token stats (clipped, kl). The ratio is
-    clipped to [1 - clip_eps, 1 + clip_eps_high] (`clip_eps_high` None: clip_eps).
+    """The weighted sum of the per-token objective (+ KL) and summed token stats (clipped, kl, the sampler
+    correction's weights and the tokens it masked).
 
-    Tokens without a sampling logprob compare with `first_logp` (the batch's first step, in its later steps), else
-    with the policy itself (ratio 1). With `segments` (each position's completion id, as `RLMicroBatch.segments`)
-    the ratio is per completion: the exp of the mean of its tokens' log ratios (GSPO)."""
-    old = torch.where(has_old > 0, old_logp, logp.detach() if first_logp is None else first_logp)
+    The ratio compares the policy with the sampling logprobs; tokens without one compare with `first_logp` (the
+    batch's first step, in its later steps), else with the policy itself (ratio 1). With the sampler correction on,
+    every token's ratio compares with the trainer's own logprobs (`first_logp`, else the policy's, detached) and its
+    objective is multiplied by `sampler_weights`. With `objective.sequence_level` the ratio is per completion (GSPO):
+    the exp of the mean of its tokens' log ratios, over `segments` (each position's completion, as
+    `RLMicroBatch.segments`)."""
+    trainer_old = logp.detach() if first_logp is None else first_logp
+    if objective.correction is None:
+        old = torch.where(has_old > 0, old_logp, trainer_old)
+    else:
+        old = trainer_old
     log_ratio = logp - old
-    if segments is not None:
+    if objective.sequence_level:
         log_ratio = sequence_mean(log_ratio, segments, mask)
     ratio = torch.exp(log_ratio)
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + (clip_eps if clip_eps_high is None else clip_eps_high))
-    per_token = -torch.min(ratio * adv, clipped * adv)
-    stats: dict[str, Tensor] = {}
-    is_clipped = ((ratio * adv) > (clipped * adv)).float() * mask
-    stats["clipped_tokens"] = is_clipped.sum().detach()
-    stats["tokens"] = mask.sum().detach()
+    per_token, is_clipped = surrogate(ratio, logp, adv, objective)
+    stats: dict[str, Tensor] = {"clipped_tokens": (is_clipped.float() * mask).sum().detach(),
+                                "tokens": mask.sum().detach()}  # fmt: skip
+    if objective.correction is not None:
+        weight = sampler_weights(trainer_old, old_logp, has_old, mask, objective, segments)
+        per_token = per_token * weight
+        stats["correction_sum"] = (weight * mask).sum()
+        stats["correction_masked"] = ((weight == 0).float() * mask).sum()
     if ref_logp is not None:
         diff = ref_logp - logp
         kl = torch.exp(diff) - diff - 1
         stats["kl_sum"] = (kl * mask).sum().detach()
-        if kl_coef > 0:
-            per_token = per_token + kl_coef * kl
+        if objective.kl_coef > 0:
+            per_token = per_token + objective.kl_coef * kl
     return (per_token * weights * mask).sum(), stats
 
 
-def sequence_mean(values: Tensor, segments: Tensor, mask: Tensor) -> Tensor:
-    """At each position, the mean of `values` over the masked positions of its segment (differentiable; segment 0 and
-    unmasked positions are left out of every mean)."""
+def surrogate(ratio: Tensor, logp: Tensor, adv: Tensor, objective: Objective) -> tuple[Tensor, Tensor]:
+    """The per-token policy term to minimise and where it is clipped.
+
+    "clip": ``-min(ratio A, clip(ratio, 1 - eps, 1 + eps_high) A)``, clipped where the clipped term is the smaller.
+    "cispo": ``-min(ratio, eps_high).detach() A logp`` (the weight caps, the gradient is the logprob's), clipped where
+    the ratio passes the cap with A > 0 (TRL's cispo_clip_ratio). "sapo": ``-sigmoid(t (ratio - 1)) 4 / t A`` with
+    t the temperature of A's sign (positive, else negative), never clipped."""
+    if objective.surrogate == "cispo":
+        cap = objective.clip_eps_high
+        assert cap is not None  # TrainArgs requires it
+        return -torch.clamp(ratio, max=cap).detach() * adv * logp, (ratio > cap) & (adv > 0)
+    if objective.surrogate == "sapo":
+        positive, negative = objective.sapo_temperatures
+        t = torch.where(adv > 0, positive, negative)
+        return -torch.sigmoid(t * (ratio - 1)) * 4 / t * adv, torch.zeros_like(ratio, dtype=torch.bool)
+    high = objective.clip_eps if objective.clip_eps_high is None else objective.clip_eps_high
+    clipped = torch.clamp(ratio, 1 - objective.clip_eps, 1 + high)
+    return -torch.min(ratio * adv, clipped * adv), (ratio * adv) > (clipped * adv)
+
+
+def sampler_weights(trainer_logp: Tensor, sampler_logp: Tensor, has_old: Tensor, mask: Tensor, objective: Objective,
+                    segments: Tensor | None) -> Tensor:  # fmt: skip
+    """TRL's vLLM importance-sampling correction: ``exp(trainer - sampler logprob)`` per token ("token_*"), or of its
+    sum over the completion ("sequence_*"), clipped to the bounds ("*_truncate") or 0 outside them ("*_mask"). A token
+    without a sampling logprob adds 0 to the log ratio (weight 1 alone), as TRL's NaN logprobs do."""
+    diff = torch.where(has_old > 0, trainer_logp - sampler_logp, torch.zeros_like(trainer_logp)) * mask
+    mode = objective.correction or ""
+    if mode.startswith("sequence"):
+        diff = sequence_sum(diff, segments, mask)
+    weight = torch.exp(diff)
+    low, high = objective.correction_bounds
+    if mode.endswith("_truncate"):
+        return torch.clamp(weight, min=low, max=high)
+    outside = torch.zeros_like(weight, dtype=torch.bool)
+    if low is not None:
+        outside |= weight < low
+    if high is not None:
+        outside |= weight > high
+    return weight.masked_fill(outside, 0.0)
+
+
+def _segment_sums(values: Tensor, segments: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Each segment's sum of `values` and count over the masked positions, and each position's segment index."""
     ids = (segments * mask).long().flatten()
     flat = (values * mask).flatten()
     size = int(ids.max().item()) + 1 if ids.numel() else 1
     sums = torch.zeros(size, dtype=flat.dtype, device=flat.device).index_add(0, ids, flat)
     counts = torch.zeros(size, dtype=flat.dtype, device=flat.device).index_add(0, ids, mask.flatten().to(flat.dtype))
+    return sums, counts, ids
+
+
+def sequence_mean(values: Tensor, segments: Tensor, mask: Tensor) -> Tensor:
+    """At each position, the mean of `values` over the masked positions of its segment (differentiable; segment 0 and
+    unmasked positions are left out of every mean)."""
+    sums, counts, ids = _segment_sums(values, segments, mask)
     return (sums / counts.clamp(min=1))[ids].view_as(values)
+
+
+def sequence_sum(values: Tensor, segments: Tensor, mask: Tensor) -> Tensor:
+    """At each position, the sum of `values` over the masked positions of its segment (as `sequence_mean`)."""
+    sums, _, ids = _segment_sums(values, segments, mask)
+    return sums[ids].view_as(values)
 
 
 def read_rl_dataset(path: Any) -> list[dict[str, Any]]:

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from scalarlm.training.data import MicroBatch, even_count, pack
 from scalarlm.training.grpo import (
+    Objective,
     RLDoc,
     RLMicroBatch,
     encode_rl_rows,
@@ -46,7 +47,8 @@ logger = logging.getLogger(__name__)
 
 # Blocks of `max_len` tokens per forward pass in an RL step (at least; `batch_size` if larger).
 MIN_ROWS_PER_MICRO = 8
-STATS = ("loss", "clipped_tokens", "tokens", "kl_sum", "routing_changed", "routing_compared")
+STATS = ("loss", "clipped_tokens", "tokens", "kl_sum", "correction_sum", "correction_masked", "routing_changed",
+         "routing_compared")
 
 
 @dataclass
@@ -120,9 +122,10 @@ def _reference_logp(trainer: "Trainer", batch: MicroBatch) -> Tensor:
 
 
 def grpo_loss(trainer: "Trainer", batch: RLBatch) -> LossFn:
-    """The step driver's loss function over `batch`: the weighted clipped objective (+ KL) and its STATS."""
+    """The step driver's loss function over `batch`: the weighted objective (+ KL) and its STATS."""
     args, device = trainer.args, trainer.par.device
     keep_first = batch.iteration == 0 and args.num_iterations > 1
+    objective = Objective.of(args)
 
     def loss_fn(i: int, mb: MicroBatch, token_loss: Tensor) -> tuple[Tensor, Tensor]:
         m = batch.micro[i]
@@ -132,12 +135,11 @@ def grpo_loss(trainer: "Trainer", batch: RLBatch) -> LossFn:
         first = batch.first_logp[i] if batch.iteration > 0 else None
         ref = _reference_logp(trainer, mb) if args.kl_coef > 0 else None
         adv, old, has_old, weights = (t.to(device) for t in (m.advantages, m.old_logprobs, m.has_old, m.weights))
-        segments = m.segments.to(device) if args.importance_sampling_level == "sequence" else None
-        loss, st = grpo_objective(logp, old, has_old, adv, weights, mb.loss_mask, args.clip_eps, args.kl_coef, ref,
-                                  first_logp=first, clip_eps_high=args.clip_eps_high, segments=segments)  # fmt: skip
+        segments = m.segments.to(device) if objective.reads_segments else None
+        loss, st = grpo_objective(logp, old, has_old, adv, weights, mb.loss_mask, objective, ref, first, segments)
         zero = torch.zeros((), device=loss.device)
         routing = trainer.routing.take_counts() if trainer.routing is not None else torch.zeros(2)
-        stats = torch.stack([loss.detach(), st["clipped_tokens"], st["tokens"], st.get("kl_sum", zero),
+        stats = torch.stack([loss.detach(), *(st.get(k, zero) for k in STATS[1:6]),
                              *routing.to(loss.device, loss.dtype)])  # fmt: skip
         return loss, stats.double()
 
@@ -158,7 +160,8 @@ def grpo_step(trainer: "Trainer", batch: RLBatch) -> dict[str, Any]:
     batch.iteration += 1
     tokens, stats = batch.tokens, batch.stats
     trainer.tokens_seen += tokens
-    loss, clipped, n_tokens, kl_sum, changed, compared = (float(x) for x in result.sums)
+    loss, clipped, n_tokens, kl_sum, correction, masked, changed, compared = (float(x) for x in result.sums)
+    computed = n_tokens
     n_tokens += batch.skipped_loss_tokens  # rows without gradient: in the loss's token count, not computed
     elapsed = time.perf_counter() - start
     metrics = {
@@ -178,6 +181,9 @@ def grpo_step(trainer: "Trainer", batch: RLBatch) -> dict[str, Any]:
     }
     if args.kl_coef > 0:
         metrics["kl"] = kl_sum / n_tokens if n_tokens else 0.0
+    if args.vllm_importance_sampling_correction and computed:  # over the tokens computed (rows with a gradient)
+        metrics["importance_sampling_ratio_mean"] = correction / computed
+        metrics["importance_sampling_masked_fraction"] = masked / computed
     if args.num_iterations > 1:
         metrics["batch_step"] = (trainer.step - 1) % args.num_iterations + 1  # which of the batch's steps
     if compared:

@@ -46,7 +46,19 @@ MORE_REFUSALS: list[tuple[dict[str, Any], str]] = [
     ({"loss": "sft", "scale_rewards": "batch"}, "scale_rewards is a GRPO setting"),
     ({"loss": "sft", "importance_sampling_level": "sequence"}, "importance_sampling_level is a GRPO setting"),
     ({"loss": "sft", "mask_truncated_completions": True}, "mask_truncated_completions is a GRPO setting"),
+    ({"loss": "cispo"}, "caps its importance weight at clip_eps_high"),
+    ({"loss": "grpo", "sapo_temperature_pos": 2.0}, "read by loss 'sapo' only"),
+    ({"loss": "grpo", "vllm_importance_sampling_mode": "token_mask"}, "vllm_importance_sampling_correction: true"),
+    ({"loss": "sft", "vllm_importance_sampling_correction": True}, "vllm_importance_sampling_correction is a GRPO"),
 ]
+REAL_POLICY_JOB = ("tests/integration/training/test_grpo_job.py::"
+                   "test_a_real_jobs_first_loss_is_cispo_sapo_or_the_sampler_corrected_objective")
+SAMPLER_CORRECTION = [  # TRL's vllm_importance_sampling_*: NumPy per mode and bounds, packed = padded, a real job
+    "tests/unit/training/test_grpo.py::test_sampler_correction_weighs_each_token_as_trls_vllm_importance_sampling",
+    "tests/unit/training/test_grpo.py::test_sequence_level_sampler_correction_packed_gives_the_padded_loss_and_gradients",
+    REAL_POLICY_JOB,
+]
+SAPO = ["tests/unit/training/test_grpo.py::test_cispo_and_sapo_objectives_and_gradients_match_numpy", REAL_POLICY_JOB]
 
 ENGINE_FLAGS = "tests/unit/inference/test_engine_settings_flags.py::test_engine_settings_are_the_engine_args_vllm_reads"
 SFT_JOB = "tests/integration/training/test_sft_jobs.py::test_sft_memorises_and_publishes_hf_checkpoint"
@@ -173,7 +185,8 @@ EVIDENCE: dict[str, list[str]] = {
         "tests/unit/training/test_data.py::test_block_stream_is_seeded_reshuffles_each_epoch_and_resumes_exactly",
     ],
     "TrainArgs.loss": [GRPO_JOB, SFT_JOB, "tests/unit/training/test_grpo.py::test_advantages_match_numpy",
-                       "tests/unit/training/test_grpo.py::test_token_weights_are_each_losss_normaliser"],
+                       "tests/unit/training/test_grpo.py::test_token_weights_are_each_losss_normaliser",
+                       REAL_POLICY_JOB],  # cispo and sapo
     "TrainArgs.kl_coef": [
         GRPO_JOB,  # kl_coef 0.01: a kl metric, 0 at the first step and > 0 after
         "tests/unit/training/test_grpo.py::test_clipped_objective_matches_numpy",
@@ -198,7 +211,14 @@ EVIDENCE: dict[str, list[str]] = {
     ],
     "TrainArgs.clip_eps_high": [  # rl_step.py passes it as the objective's upper clip (NumPy: clip-higher at 0.28)
         "tests/unit/training/test_grpo.py::test_clipped_objective_matches_numpy",
+        "tests/unit/training/test_grpo.py::test_cispo_and_sapo_objectives_and_gradients_match_numpy",  # cispo's cap
     ],
+    "TrainArgs.sapo_temperature_pos": SAPO,
+    "TrainArgs.sapo_temperature_neg": SAPO,
+    "TrainArgs.vllm_importance_sampling_correction": SAMPLER_CORRECTION,
+    "TrainArgs.vllm_importance_sampling_mode": SAMPLER_CORRECTION,
+    "TrainArgs.vllm_importance_sampling_clip_max": SAMPLER_CORRECTION,
+    "TrainArgs.vllm_importance_sampling_clip_min": SAMPLER_CORRECTION,
     "TrainArgs.clip_eps": [  # rl_step.py passes args.clip_eps as the objective's clip range
         "tests/unit/training/test_grpo.py::test_clipped_objective_matches_numpy",
     ],

@@ -89,7 +89,7 @@ def padded_micro_batch(docs, weights, pad_id: int):
 
 
 def padded_loss(model, ref_model, docs, weights, pad_id: int, kl_coef: float) -> tuple[torch.Tensor, dict, int]:
-    from scalarlm.training.grpo import grpo_objective
+    from scalarlm.training.grpo import Objective, grpo_objective
     from scalarlm.training.losses import token_losses
 
     mb, adv, old, has_old, w = padded_micro_batch(docs, weights, pad_id)
@@ -98,7 +98,7 @@ def padded_loss(model, ref_model, docs, weights, pad_id: int, kl_coef: float) ->
         with torch.no_grad():
             ref = -token_losses(ref_model, mb).float()
     logp = -token_losses(model, mb).float()
-    loss, stats = grpo_objective(logp, old, has_old, adv, w, mb.loss_mask, CLIP, kl_coef, ref)
+    loss, stats = grpo_objective(logp, old, has_old, adv, w, mb.loss_mask, Objective(CLIP, kl_coef=kl_coef), ref)
     return loss, stats, int(mb.tokens.numel())
 
 
@@ -230,7 +230,7 @@ def main() -> int:
     from scalarlm.training.losses import token_losses
     from scalarlm.training.model import model_arch
     from scalarlm.training.parallel import init_parallel, shutdown_parallel
-    from scalarlm.training.rl_step import RLBatch, grpo_loss
+    from scalarlm.training.rl_step import STATS, RLBatch, grpo_loss
 
     init_parallel(launch_env_from(os.environ), 1, seed=0)
     try:
@@ -264,7 +264,7 @@ def main() -> int:
                                       par=SimpleNamespace(device=torch.device("cpu")), lora=False, ref_model=ref_model,
                                       ddp=model, routing=None)  # fmt: skip
             loss_fn = grpo_loss(trainer, RLBatch(micro, {}, 0))
-            sums = torch.zeros(6, dtype=torch.float64)  # loss, clipped tokens, tokens, KL sum, routing (none)
+            sums = torch.zeros(len(STATS), dtype=torch.float64)  # loss, clipped, tokens, KL sum, correction, routing
             head_rows = []
             hook = model.output_layer.register_forward_hook(lambda mod, inp, out: head_rows.append(inp[0].shape[0]))
             for i, m in enumerate(micro):

@@ -185,3 +185,62 @@ def test_mask_truncated_completions_leaves_the_completions_at_max_tokens_out_of_
     assert losses["every"] == pytest.approx(-(lengths * adv).sum() / (64 * 9), rel=1e-5)
     assert losses["masked"] == pytest.approx(-(lengths * adv * kept).sum() / (64 * 9), rel=1e-5)
     assert abs(losses["masked"] - losses["every"]) > 1e-4
+
+
+def _model_logprobs(model_dir: Path, prompts: list[str], completion: list[int]) -> "np.ndarray":
+    """The model's logprobs of `completion` after each prompt, [prompts, tokens] (transformers, float32)."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    out = []
+    for prompt in prompts:
+        p = tok(prompt, add_special_tokens=True)["input_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([p + completion])).logits.double().log_softmax(-1)
+        out.append([float(logits[0, len(p) - 1 + j, t]) for j, t in enumerate(completion)])
+    return np.array(out)
+
+
+@pytest.mark.parametrize("setting", ["cispo", "sapo", "token_truncate", "sequence_mask"])
+def test_a_real_jobs_first_loss_is_cispo_sapo_or_the_sampler_corrected_objective(tmp_path: Path, tiny_model_dir: Path,
+                                                                                  setting: str) -> None:  # fmt: skip
+    """Loss 'cispo' / 'sapo' and TRL's vllm_importance_sampling_correction reach the trainer: the first step's loss of
+    a real job equals NumPy's on the model's own logprobs (transformers) and the rows' sampling logprobs."""
+    import numpy as np
+
+    tokens, sampled = [40, 41, 42], np.array([-4.0, -9.0, -5.0])  # ratios both sides of 1 and of every bound
+    rows = [{"prompt": p, "completion": "", "completion_token_ids": tokens, "logprobs": sampled.tolist(),
+             "reward": float(r)} for p in PROMPTS for r in (1, 0, 0)]  # fmt: skip
+    lp = _model_logprobs(tiny_model_dir, [r["prompt"] for r in rows], tokens)  # [9, 3]
+    rewards = np.array([r["reward"] for r in rows]).reshape(3, 3)
+    a = ((rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, ddof=1, keepdims=True) + 1e-4)).reshape(9, 1)
+    r = np.exp(lp - sampled)
+    assert (r < 0.5).any() and (r > 5).any()
+    more: dict = {"loss": setting} if setting in ("cispo", "sapo") else {
+        "loss": "grpo", "vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": setting,
+        "vllm_importance_sampling_clip_max": 2.0, "vllm_importance_sampling_clip_min": 0.3}  # fmt: skip
+    if setting == "cispo":
+        more["clip_eps_high"] = 5.0
+        want = (-np.minimum(r, 5.0) * a * lp).sum() / lp.size  # dapo's weights: every token alike
+    elif setting == "sapo":
+        t = np.where(a > 0, 1.0, 1.05)
+        want = (-(1 / (1 + np.exp(-t * (r - 1)))) * 4 / t * a).mean()  # grpo's: tokens, then rows
+    else:  # ratio 1 against the trainer's own logprobs; the objective times the sampler correction
+        if setting == "token_truncate":
+            weight = np.clip(r, 0.3, 2.0)
+        else:  # one weight per completion: exp of its summed log ratios, 0 outside [0.3, 2]
+            weight = np.exp((lp - sampled).sum(1, keepdims=True)) * np.ones_like(lp)
+            weight = np.where((weight < 0.3) | (weight > 2.0), 0.0, weight)
+            assert (weight == 0).any() and (weight > 0).any()
+        want = (-a * weight).mean()
+    job = make_job(tmp_path, setting, tiny_model_dir, rows, max_steps=1, batch_size=3, adapter_type="full",
+                   lr_schedule="constant", **more)  # fmt: skip
+    assert run_trainer(job) == 0, trainer_output(job)
+    first = job.read_metrics()[0]
+    assert first["logprobs_mismatched_rows"] == 0
+    assert first["loss"] == pytest.approx(want, rel=1e-4, abs=1e-6), (first, want)
+    if setting in ("token_truncate", "sequence_mask"):
+        assert first["importance_sampling_ratio_mean"] == pytest.approx(weight.mean(), rel=1e-4)
+        assert first["importance_sampling_masked_fraction"] == pytest.approx((weight == 0).mean())

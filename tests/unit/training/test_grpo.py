@@ -13,6 +13,7 @@ import torch
 from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.training.grpo import (
     ADV_EPS,
+    Objective,
     advantages,
     encode_rl_rows,
     grpo_objective,
@@ -25,6 +26,7 @@ from scalarlm.training.grpo import (
     with_gradient,
 )
 
+GSPO = Objective(sequence_level=True)
 REWARDS = [1.0, 0.0, 0.5, 2.0, 2.0, 2.0, -1.0]
 GROUPS = ["a", "a", "a", "b", "b", "b", "c"]
 
@@ -96,7 +98,7 @@ def test_clipped_objective_matches_numpy(loss: str, eps_high: float | None) -> N
     else:
         w = torch.full((3, 6), 1.0 / (lengths.max().item() * 3))
     eps, beta = 0.2, 0.05
-    got, stats = grpo_objective(logp, old, has_old, adv, w, mask, eps, beta, ref, clip_eps_high=eps_high)
+    got, stats = grpo_objective(logp, old, has_old, adv, w, mask, Objective(eps, eps_high, beta), ref)
     high = eps if eps_high is None else eps_high  # DAPO's clip-higher: the upper bound apart
 
     lp, o, rf, a, m = (x.double().numpy() for x in (logp, old, ref, adv, mask))
@@ -130,8 +132,8 @@ def test_sequence_level_ratio_matches_numpy(eps_high: float | None) -> None:
     adv = adv * torch.tensor([-1.0, -1.0, 1.0])[:, None]  # so the first two rows' ratios (0.99, 1.07) are clipped
     w = (1.0 / (mask.sum(1) * 3))[:, None].expand(3, 6)
     eps, beta = 0.005, 0.05  # sequence ratios stay near 1: GSPO clips them tightly
-    got, stats = grpo_objective(logp, old, has_old, adv, w, mask, eps, beta, ref, clip_eps_high=eps_high,
-                                segments=_segments(mask))  # fmt: skip
+    got, stats = grpo_objective(logp, old, has_old, adv, w, mask, Objective(eps, eps_high, beta, sequence_level=True),
+                                ref, segments=_segments(mask))  # fmt: skip
     high = eps if eps_high is None else eps_high
 
     lp, o, rf, a, m = (x.double().numpy() for x in (logp, old, ref, adv, mask))
@@ -143,7 +145,7 @@ def test_sequence_level_ratio_matches_numpy(eps_high: float | None) -> None:
     kl = np.exp(rf - lp) - (rf - lp) - 1
     want = np.mean(((pg + beta * kl) * m).sum(1) / m.sum(1))
     assert got.item() == pytest.approx(want, rel=1e-5)
-    token_level, _ = grpo_objective(logp, old, has_old, adv, w, mask, eps, beta, ref, clip_eps_high=eps_high)
+    token_level, _ = grpo_objective(logp, old, has_old, adv, w, mask, Objective(eps, eps_high, beta), ref)
     assert abs(token_level.item() - got.item()) > 1e-4  # the two levels differ on this batch
     assert stats["clipped_tokens"].item() == ((ratio * a > np.clip(ratio, 1 - eps, 1 + high) * a) * m).sum() > 0
 
@@ -154,10 +156,10 @@ def test_sequence_level_packed_gives_the_padded_loss_and_gradients() -> None:
     logp, old, ref, adv, mask, has_old = _fixed_batch()
     w = (1.0 / (mask.sum(1) * 3))[:, None].expand(3, 6)
     padded_logp = logp.clone().requires_grad_(True)
-    padded, _ = grpo_objective(padded_logp, old, has_old, adv, w, mask, 0.2, segments=_segments(mask))
+    padded, _ = grpo_objective(padded_logp, old, has_old, adv, w, mask, GSPO, segments=_segments(mask))
     padded.backward()
     packed_logp = logp.reshape(1, 18).clone().requires_grad_(True)
-    packed, _ = grpo_objective(packed_logp, *(t.reshape(1, 18) for t in (old, has_old, adv, w, mask)), 0.2,
+    packed, _ = grpo_objective(packed_logp, *(t.reshape(1, 18) for t in (old, has_old, adv, w, mask)), GSPO,
                                segments=_segments(mask).reshape(1, 18))  # fmt: skip
     packed.backward()
     assert packed.item() == pytest.approx(padded.item(), rel=1e-6)
@@ -165,10 +167,135 @@ def test_sequence_level_packed_gives_the_padded_loss_and_gradients() -> None:
     assert (padded_logp.grad[mask > 0] != 0).all()  # every completion token gets the sequence ratio's gradient
 
 
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1 / (1 + np.exp(-x))
+
+
+@pytest.mark.parametrize("loss", ["cispo", "sapo"])
+def test_cispo_and_sapo_objectives_and_gradients_match_numpy(loss: str) -> None:
+    """TRL's cispo (the ratio capped at eps_high and detached, times A and the logprob) and sapo (the gate
+    sigmoid(t (ratio - 1)) 4 / t times A, t by A's sign): the loss and its gradient per logprob, written out."""
+    logp, old, ref, adv, mask, has_old = _fixed_batch()
+    old = old - 0.5 * torch.tensor([1.0, 0.0, 0.0])[:, None]  # row 0's ratios pass cispo's cap of 1.3
+    w = torch.full((3, 6), 0.1)
+    objective = Objective(clip_eps_high=1.3, surrogate="cispo") if loss == "cispo" else Objective(surrogate="sapo")
+    x = logp.clone().requires_grad_(True)
+    got, stats = grpo_objective(x, old, has_old, adv, w, mask, objective)
+    got.backward()
+
+    lp, o, a, m = (t.double().numpy() for t in (logp, old, adv, mask))
+    r = np.exp(lp - np.where(has_old.numpy() > 0, o, lp))
+    if loss == "cispo":
+        weight = np.minimum(r, 1.3)
+        per_token, grad = -weight * a * lp, -weight * a  # the weight carries no gradient
+        clipped = ((r > 1.3) & (a > 0)) * m
+    else:
+        t = np.where(a > 0, 1.0, 1.05)
+        gate = _sigmoid(t * (r - 1))
+        per_token, grad = -gate * 4 / t * a, -4 * gate * (1 - gate) * r * a  # d/dlogp through the ratio
+        clipped = np.zeros_like(m)
+    assert got.item() == pytest.approx((per_token * m * 0.1).sum(), rel=1e-5)
+    np.testing.assert_allclose(x.grad.double().numpy(), grad * m * 0.1, rtol=1e-5, atol=1e-9)
+    assert stats["clipped_tokens"].item() == clipped.sum()
+    assert loss == "sapo" or clipped.sum() > 0
+
+
+def _sampler_weights_numpy(trainer: np.ndarray, sampler: np.ndarray, has: np.ndarray, m: np.ndarray, mode: str,
+                           low: float | None, high: float | None) -> np.ndarray:  # fmt: skip
+    """TRL's vllm_importance_sampling_ratio: exp(trainer - sampler) per token, or of its sum per completion; clipped
+    (truncate) or 0 outside [low, high] (mask); a token without a sampling logprob adds 0."""
+    diff = np.where(has > 0, trainer - sampler, 0.0) * m
+    if mode.startswith("sequence"):
+        diff = diff.sum(1, keepdims=True) * np.ones_like(diff)
+    r = np.exp(diff)
+    lo, hi = -np.inf if low is None else low, np.inf if high is None else high
+    return np.clip(r, lo, hi) if mode.endswith("truncate") else np.where((r < lo) | (r > hi), 0.0, r)
+
+
+@pytest.mark.parametrize(("mode", "low", "high"), [("token_truncate", None, 1.2), ("token_mask", 0.8, 1.2),
+                                                   ("sequence_truncate", 0.5, 1.1), ("sequence_mask", None, 1.1)])
+def test_sampler_correction_weighs_each_token_as_trls_vllm_importance_sampling(mode: str, low: float | None,
+                                                                                high: float | None) -> None:
+    """TRL's vllm_importance_sampling_correction: the ratio compares with the trainer's own logprobs (ratio 1 in a
+    batch's first step, the first step's logprobs in its later ones) and the clipped objective is multiplied by the
+    truncated or masked exp(trainer - sampler logprob); the KL term is not. NumPy, loss and gradient."""
+    logp, old, ref, adv, mask, has_old = _fixed_batch()
+    w = torch.full((3, 6), 0.1)
+    objective = Objective(0.2, kl_coef=0.05, correction=mode, correction_bounds=(low, high))
+    lp, o, rf, a, m, has = (t.double().numpy() for t in (logp, old, ref, adv, mask, has_old))
+    kl = np.exp(rf - lp) - (rf - lp) - 1
+    first = logp + 0.3 * torch.linspace(-1, 1, 6)  # a later step: the policy moved since the first
+    for trainer_logp in (None, first):
+        x = logp.clone().requires_grad_(True)
+        got, stats = grpo_objective(x, old, has_old, adv, w, mask, objective, ref, trainer_logp, _segments(mask))
+        got.backward()
+        t = lp if trainer_logp is None else trainer_logp.double().numpy()
+        weight = _sampler_weights_numpy(t, o, has, m, mode, low, high)
+        r = np.exp(lp - t)
+        clipped = np.clip(r, 0.8, 1.2)
+        pg = -np.minimum(r * a, clipped * a)
+        want = ((pg * weight + 0.05 * kl) * m * 0.1).sum()
+        assert got.item() == pytest.approx(want, rel=1e-5)
+        grad_pg = np.where(r * a <= clipped * a, -r * a, 0.0)  # the clipped branch has no gradient
+        grad = (grad_pg * weight + 0.05 * (1 - np.exp(rf - lp))) * m * 0.1
+        np.testing.assert_allclose(x.grad.double().numpy(), grad, rtol=1e-5, atol=1e-8)
+        assert stats["correction_sum"].item() == pytest.approx((weight * m).sum(), rel=1e-5)
+        assert stats["correction_masked"].item() == ((weight == 0) * m).sum()
+    if mode.endswith("mask"):
+        assert 0 < stats["correction_masked"].item() < m.sum()  # this batch masks some tokens, not all
+    else:
+        assert stats["correction_masked"].item() == 0 and ((weight == high) * m).sum() > 0  # and truncates some
+    off, _ = grpo_objective(logp, old, has_old, adv, w, mask, Objective(0.2, kl_coef=0.05), ref)
+    assert abs(off.item() - want) > 1e-4  # without the correction the ratio compares with the sampler
+
+
+def test_sequence_level_sampler_correction_packed_gives_the_padded_loss_and_gradients() -> None:
+    """A sequence-level correction sums each completion's log ratios over its own segment in a padding-free row."""
+    logp, old, ref, adv, mask, has_old = _fixed_batch()
+    w = (1.0 / (mask.sum(1) * 3))[:, None].expand(3, 6)
+    objective = Objective(0.2, correction="sequence_truncate", correction_bounds=(0.5, 1.1), sequence_level=True)
+    first = logp + 0.2 * torch.linspace(-1, 1, 6)
+    padded_logp = logp.clone().requires_grad_(True)
+    padded, _ = grpo_objective(padded_logp, old, has_old, adv, w, mask, objective, None, first, _segments(mask))
+    padded.backward()
+    packed_logp = logp.reshape(1, 18).clone().requires_grad_(True)
+    packed, _ = grpo_objective(packed_logp, *(t.reshape(1, 18) for t in (old, has_old, adv, w, mask)), objective,
+                               None, first.reshape(1, 18), _segments(mask).reshape(1, 18))  # fmt: skip
+    packed.backward()
+    assert packed.item() == pytest.approx(padded.item(), rel=1e-6)
+    torch.testing.assert_close(packed_logp.grad.reshape(3, 6), padded_logp.grad, rtol=1e-6, atol=1e-9)
+
+
+def test_policy_settings_a_loss_does_not_read_are_refused_and_a_stored_config_reads_back() -> None:
+    from scalarlm.protocol.training import TrainArgs
+
+    unbounded = {"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": None}
+    for kwargs, text in [({"loss": "cispo"}, "caps its importance weight at clip_eps_high"),
+                         ({"loss": "sapo", "clip_eps": 0.3}, "clip_eps is not read"),
+                         ({"loss": "sapo", "clip_eps_high": 0.3}, "clip_eps_high is not read"),
+                         ({"loss": "dapo", "sapo_temperature_neg": 2.0}, "read by loss 'sapo' only"),
+                         ({"loss": "grpo", "vllm_importance_sampling_mode": "token_mask"}, "send it too"),
+                         ({"loss": "sft", "vllm_importance_sampling_correction": True}, "is a GRPO setting"),
+                         ({"loss": "grpo", "vllm_importance_sampling_correction": True,
+                           "vllm_importance_sampling_clip_min": 3.0}, "must be less than"),
+                         ({"loss": "grpo", "vllm_importance_sampling_correction": True, **unbounded},
+                          "send vllm_importance_sampling_clip_max")]:  # fmt: skip
+        with pytest.raises(ValueError, match=text):
+            TrainArgs(**kwargs)
+    for kwargs in ({"loss": "cispo", "clip_eps_high": 5.0}, {"loss": "sapo", "sapo_temperature_pos": 2.0},
+                   {"loss": "dapo", "vllm_importance_sampling_correction": True,
+                    "vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_min": 0.5}):
+        args = TrainArgs(**kwargs)
+        assert TrainArgs.model_validate(args.model_dump(mode="json")) == args  # job.yaml writes every field out
+    objective = Objective.of(TrainArgs(loss="dapo", vllm_importance_sampling_correction=True))
+    assert (objective.surrogate, objective.correction, objective.correction_bounds) == ("clip", "sequence_mask",
+                                                                                         (None, 3.0))
+
+
 def test_token_weights_are_each_losss_normaliser(tiny_model_dir: Path) -> None:
     """Each completion token's weight, from the trainer's own documents, against TRL's normalisers written out:
     grpo 1 / (len_i x N); dr_grpo 1 / (max_completion_length x N), or the batch's longest completion when unset;
-    dapo 1 / (every completion token of the batch)."""
+    dapo and cispo 1 / (every completion token of the batch); sapo as grpo."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -177,7 +304,8 @@ def test_token_weights_are_each_losss_normaliser(tiny_model_dir: Path) -> None:
     rows = parse_rl_rows(raw)
     lengths = np.array([len(tok(r["completion"], add_special_tokens=False)["input_ids"]) + 1 for r in raw])  # + EOS
     for loss, mcl, want in [("grpo", None, 1 / (lengths * 3)), ("dr_grpo", None, [1 / (lengths.max() * 3)] * 3),
-                            ("dr_grpo", 64, [1 / (64 * 3)] * 3), ("dapo", None, [1 / lengths.sum()] * 3)]:
+                            ("dr_grpo", 64, [1 / (64 * 3)] * 3), ("dapo", None, [1 / lengths.sum()] * 3),
+                            ("cispo", None, [1 / lengths.sum()] * 3), ("sapo", None, 1 / (lengths * 3))]:
         docs, _ = encode_rl_rows(tok, rows, "group", max_len=64)
         assert [sum(d.doc.targets[1:]) for d in docs] == lengths.tolist()
         np.testing.assert_allclose(token_weights(docs, loss, mcl), want, rtol=1e-12)
@@ -213,14 +341,14 @@ def test_a_later_step_of_a_batch_compares_rows_without_sampling_logprobs_with_th
     logp, old, _, adv, mask, has_old = _fixed_batch()
     first = logp.detach() + 0.4 * torch.linspace(-1, 1, 6)  # the policy moved since the first step
     w = torch.full((3, 6), 0.1)
-    got, stats = grpo_objective(logp, old, has_old, adv, w, mask, 0.2, first_logp=first)
+    got, stats = grpo_objective(logp, old, has_old, adv, w, mask, first_logp=first)
     lp, o, f, a, m = (x.double().numpy() for x in (logp, old, first, adv, mask))
     ratio = np.exp(lp - np.where(has_old.numpy() > 0, o, f))
     pg = -np.minimum(ratio * a, np.clip(ratio, 0.8, 1.2) * a)
     assert got.item() == pytest.approx((pg * m * 0.1).sum(), rel=1e-5)
     clipped_row = ((ratio * a > np.clip(ratio, 0.8, 1.2) * a) * m)[2].sum()
     assert clipped_row > 0  # the row without logprobs is now off-policy and clipped where it moved far
-    on_policy, _ = grpo_objective(logp, old, has_old, adv, w, mask, 0.2)
+    on_policy, _ = grpo_objective(logp, old, has_old, adv, w, mask)
     assert on_policy.item() != pytest.approx(got.item(), rel=1e-6)
 
 
@@ -238,11 +366,11 @@ def test_equal_reward_group_contributes_no_gradient() -> None:
     only_b = torch.zeros_like(logp)
     only_b[3:] = 1.0  # group "b" (rows 3..5), rewards all 2.0
     old = logp.detach() + 0.3  # off-policy: ratio != 1
-    loss, _ = grpo_objective(logp, old, torch.ones_like(logp), adv[:, :6], torch.full_like(logp, 0.1), only_b, 0.2)
+    loss, _ = grpo_objective(logp, old, torch.ones_like(logp), adv[:, :6], torch.full_like(logp, 0.1), only_b)
     loss.backward(retain_graph=True)
     assert torch.count_nonzero(head.weight.grad) == 0 and torch.count_nonzero(emb.weight.grad) == 0
     head.zero_grad(), emb.zero_grad()
-    loss_a, _ = grpo_objective(logp, old, torch.ones_like(logp), adv[:, :6], torch.full_like(logp, 0.1), mask - only_b, 0.2)
+    loss_a, _ = grpo_objective(logp, old, torch.ones_like(logp), adv[:, :6], torch.full_like(logp, 0.1), mask - only_b)
     loss_a.backward()
     assert torch.count_nonzero(head.weight.grad) > 0  # the other group does train
 
