@@ -64,7 +64,7 @@ def _emit(args: argparse.Namespace, data: Any, human: Callable[[Any], str]) -> N
 def run_ls(llm: ScalarLM, args: argparse.Namespace) -> None:
     models = llm.list_models()["models"]
     jobs = [m for m in models if m.get("kind") != "base"]
-    shown = models if args.all else jobs[-LS_DEFAULT_ROWS:]
+    shown = models if args.all else jobs[:LS_DEFAULT_ROWS]  # newest first
     _emit(args, shown, lambda rows: table(
         ["model", "status", "step", "loss", "version", "kind", "started"],
         [[m["name"], m.get("status"), f"{m.get('step') or 0}/{m.get('max_steps') or 0}", m.get("loss"),

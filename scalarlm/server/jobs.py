@@ -339,15 +339,16 @@ class TrainingJobs:
         return launcher.logs(job)
 
     def list_models(self) -> ListModelsResponse:
-        """The base model, then every job (oldest first) with its progress and newest checkpoint."""
-        models = [ModelEntry(name=self.settings.base_model_name, deployed=True, status="READY", kind="base")]
+        """Every job, newest first (as ScalarLM's, whose CLI `ls -l N` shows the first N), with its progress and newest
+        checkpoint; then the base model."""
         entries = []
-        for job, config in sorted(self._configs(), key=lambda pair: pair[1].created):
+        for job, config in sorted(self._configs(), key=lambda pair: pair[1].created, reverse=True):
             try:
                 entries.append(self._entry(job, config))
             except (OSError, ValueError) as e:
                 logger.warning("list_models: skipping %s: %s", job.root, e)
-        return ListModelsResponse(models=models + entries)
+        base = ModelEntry(name=self.settings.base_model_name, deployed=True, status="READY", kind="base")
+        return ListModelsResponse(models=[*entries, base])
 
     def _entry(self, job: JobDir, config: TrainJobConfig) -> ModelEntry:
         status = job.read_status()

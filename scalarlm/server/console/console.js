@@ -123,12 +123,17 @@ function curves(id, metrics) {
   return chart(id, "loss" + (series.length > 1 ? " and reward" : "") + " per step", series);
 }
 
+// The models that answer requests: the base model, then the jobs with a published step, newest first.
+function servedModels(models) {
+  return [...models.filter((m) => m.kind === "base"), ...models.filter((m) => m.kind !== "base" && m.deployed)];
+}
+
 // --- views --------------------------------------------------------------------------------------------------------
 
 const views = {
   async jobs(view) {
     const { models } = await api("/v1/megatron/list_models");
-    const jobs = models.filter((m) => m.kind !== "base").reverse();
+    const jobs = models.filter((m) => m.kind !== "base");  // newest first
     const rows = jobs.map((m) => el("tr", { "data-job": m.name },
       el("td", {}, el("a", { href: "#job/" + m.name }, m.name)),
       el("td", { class: "status " + (m.status || "").toLowerCase() }, m.status),
@@ -179,7 +184,7 @@ const views = {
 
   async models(view) {
     const [{ models }, { workers }] = await Promise.all([api("/v1/megatron/list_models"), api("/v1/generate/workers")]);
-    const served = models.filter((m) => m.kind === "base" || m.deployed);
+    const served = servedModels(models);
     return [
       el("h1", {}, "Models"),
       table("models-table", ["model", "kind", "version", "status"], served.map((m) =>
@@ -224,7 +229,7 @@ const views = {
 
   async playground(view) {
     const { models } = await api("/v1/megatron/list_models");
-    const names = models.filter((m) => m.kind === "base" || m.deployed).map((m) => m.name);
+    const names = servedModels(models).map((m) => m.name);
     const answer = el("div", { id: "pg-result", hidden: "" },
       el("p", {}, "model ", el("code", { id: "pg-model-out" }), " · version ", el("code", { id: "pg-version-out" }),
         " · ", el("span", { id: "pg-finish" })),

@@ -62,7 +62,7 @@ def test_train_wait_then_ls_models_logs_plot(server: Server, trained: dict[str, 
     assert row[1:3] == ["COMPLETED", "4/4"] and row[4:6] == ["4", "lora"]
     assert not any(r.startswith("tiny ") for r in rows)  # the base model only with -A
     listed = cli_json(server, capsys, "ls", "-A")
-    assert isinstance(listed, list) and listed[0]["name"] == "tiny" and any(m["name"] == job for m in listed)
+    assert isinstance(listed, list) and listed[-1]["name"] == "tiny" and any(m["name"] == job for m in listed)
 
     models = cli_json(server, capsys, "models")
     assert {"name": job, "version": 4, "kind": "lora"}.items() <= next(m for m in models if m["name"] == job).items()

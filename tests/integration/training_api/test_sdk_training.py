@@ -91,7 +91,8 @@ def test_scalarlm_sdk_cli_lists_queues_tails_and_plots_our_jobs(sdk_python: Path
     assert [c.strip() for c in header.split("|")][:3] == ["name", "deployed", "status"] and "train_time" in header
     [row] = [r for r in rows if r.startswith(job_id)]
     assert "COMPLETED" in row and time.strftime("%Y-%m-%d") in row  # start_time formatted, train_time humanized
-    assert cli("ls").splitlines()[-1] == job_id
+    assert cli("ls").splitlines()[0] == job_id
+    assert cli("ls", "-l", "1").splitlines() == [job_id]  # the newest job, as ScalarLM lists newest first
 
     assert cli("squeue").split()[:3] == ["JOBID", "STATUS", "LAUNCHER"]  # nothing queued or running
 

@@ -55,7 +55,7 @@ def test_sdk_shaped_submission_trains_and_reports(client, settings, wait_status)
     assert "stand-in trainer rank 0" in client.get(f"/v1/megatron/train/{job_id}/logs").text
 
     models = client.get("/v1/megatron/list_models").json()["models"]
-    assert models[0]["name"] == settings.base_model_name and models[0]["kind"] == "base"
+    assert models[-1]["name"] == settings.base_model_name and models[-1]["kind"] == "base"
     (entry,) = [m for m in models if m["name"] == job_id]
     assert entry["status"] == "COMPLETED" and entry["step"] == 3 and entry["max_steps"] == 3
     assert entry["kind"] == "lora" and entry["deployed"] is False  # no checkpoint was published
@@ -80,9 +80,9 @@ def test_latest_names_the_newest_job_in_reads_and_logs_stream_as_numbered_lines(
     assert client.get("/v1/megatron/train/logs/job-nope").status_code == 404
 
     models = client.get("/v1/megatron/list_models").json()["models"]
-    assert [m["name"] for m in models] == [settings.base_model_name, first, second]  # oldest first
+    assert [m["name"] for m in models] == [second, first, settings.base_model_name]  # newest first, as ScalarLM's
     assert all(isinstance(m["start_time"], float) and isinstance(m["train_time"], float) for m in models)
-    assert models[0]["start_time"] == 0 and models[2]["train_time"] > 0
+    assert models[2]["start_time"] == 0 and models[0]["train_time"] > 0
 
 
 def test_resubmitting_the_same_data_and_args_trains_again(client):
