@@ -147,6 +147,15 @@ class TrainArgs(BaseModel):
     # TRL's importance_sampling_level: "token" (a ratio per token) or "sequence" (GSPO: one ratio per completion, the
     # exp of the mean of its tokens' log ratios; GSPO's paper clips it at clip_eps 3e-4, clip_eps_high 4e-4).
     importance_sampling_level: Literal["token", "sequence"] = "token"
+    # TRL's delta (INTELLECT-2's two-sided clipping): the unclipped ratio is capped at delta too, so a token with a
+    # negative advantage cannot push the loss without bound (recommended above 1 + clip_eps_high; clipping losses only).
+    delta: float | None = Field(None, gt=1)
+    # TRL's off_policy_mask_threshold (DeepSeek-V3.2's off-policy sequence masking): a completion with a negative
+    # advantage whose mean (sampling - policy) logprob over its tokens exceeds it adds nothing to the policy term.
+    off_policy_mask_threshold: float | None = Field(None, gt=0)
+    # TRL's use_bias_correction_kl (there on by default, here off): the KL term is multiplied by the (differentiable)
+    # ratio, DeepSeek-V3.2's unbiased reverse-KL gradient. Needs kl_coef > 0.
+    use_bias_correction_kl: bool = False
     # sapo's gate temperatures (TRL's): for tokens with a positive advantage, and for the others.
     sapo_temperature_pos: float = Field(1.0, gt=0)
     sapo_temperature_neg: float = Field(1.05, gt=0)
@@ -284,6 +293,15 @@ def _refuse_unread_policy_settings(args: TrainArgs) -> None:
     if args.loss == "sapo" and args.clip_eps_high is not None:
         raise ValueError("loss 'sapo' gates the ratio smoothly (sapo_temperature_pos / _neg) instead of clipping it: "
                          "clip_eps_high is not read; leave it out")
+    if args.delta is not None and args.loss in ("sft", "cispo", "sapo"):
+        raise ValueError(f"delta caps the clipped ratio of loss 'grpo', 'dr_grpo' or 'dapo'; loss {args.loss!r} "
+                         "does not read it: leave it out")
+    if args.off_policy_mask_threshold is not None and args.loss == "sft":
+        raise ValueError("off_policy_mask_threshold is a GRPO setting (it masks sampled completions that drifted "
+                         "off-policy); an SFT loss has no sampled completions")
+    if args.use_bias_correction_kl and args.kl_coef == 0:
+        raise ValueError("use_bias_correction_kl weighs the KL term by the ratio, and kl_coef is 0 (no KL term): set "
+                         "kl_coef > 0, or leave it out")
     if args.loss != "sapo" and _given(args, "sapo_temperature_pos", "sapo_temperature_neg"):
         raise ValueError("sapo_temperature_pos / _neg are read by loss 'sapo' only; leave them out")
     if not args.vllm_importance_sampling_correction:

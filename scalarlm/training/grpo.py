@@ -350,6 +350,9 @@ class Objective:
     sequence_level: bool = False
     correction: str | None = None
     correction_bounds: tuple[float | None, float | None] = (None, 3.0)
+    delta: float | None = None
+    off_policy_threshold: float | None = None
+    kl_bias_correction: bool = False
 
     @classmethod
     def of(cls, args: TrainArgs) -> "Objective":
@@ -357,12 +360,14 @@ class Objective:
         correction = args.vllm_importance_sampling_mode if args.vllm_importance_sampling_correction else None
         return cls(args.clip_eps, args.clip_eps_high, args.kl_coef, surrogate,
                    (args.sapo_temperature_pos, args.sapo_temperature_neg), args.importance_sampling_level == "sequence",
-                   correction, (args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max))
+                   correction, (args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max),
+                   args.delta, args.off_policy_mask_threshold, args.use_bias_correction_kl)
 
     @property
     def reads_segments(self) -> bool:
-        """Some term is per completion (GSPO's ratio, a sequence-level sampler correction)."""
-        return self.sequence_level or (self.correction or "").startswith("sequence")
+        """Some term is per completion (GSPO's ratio, a sequence-level sampler correction, the off-policy mask)."""
+        return (self.sequence_level or (self.correction or "").startswith("sequence")
+                or self.off_policy_threshold is not None)  # fmt: skip
 
 
 def grpo_objective(
@@ -385,7 +390,9 @@ def grpo_objective(
     every token's ratio compares with the trainer's own logprobs (`first_logp`, else the policy's, detached) and its
     objective is multiplied by `sampler_weights`. With `objective.sequence_level` the ratio is per completion (GSPO):
     the exp of the mean of its tokens' log ratios, over `segments` (each position's completion, as
-    `RLMicroBatch.segments`)."""
+    `RLMicroBatch.segments`). With `objective.off_policy_threshold` completions that drifted off-policy with a negative
+    advantage are left out of the policy term (`off_policy_keep`); with `objective.kl_bias_correction` the KL term is
+    multiplied by the ratio."""
     trainer_old = logp.detach() if first_logp is None else first_logp
     if objective.correction is None:
         old = torch.where(has_old > 0, old_logp, trainer_old)
@@ -398,6 +405,10 @@ def grpo_objective(
     per_token, is_clipped = surrogate(ratio, logp, adv, objective)
     stats: dict[str, Tensor] = {"clipped_tokens": (is_clipped.float() * mask).sum().detach(),
                                 "tokens": mask.sum().detach()}  # fmt: skip
+    if objective.off_policy_threshold is not None:
+        keep = off_policy_keep(logp, old_logp, has_old, adv, mask, segments, objective.off_policy_threshold)
+        per_token = per_token * keep
+        stats["off_policy_masked"] = ((1 - keep) * mask).sum()
     if objective.correction is not None:
         weight = sampler_weights(trainer_old, old_logp, has_old, mask, objective, segments)
         per_token = per_token * weight
@@ -408,14 +419,15 @@ def grpo_objective(
         kl = torch.exp(diff) - diff - 1
         stats["kl_sum"] = (kl * mask).sum().detach()
         if objective.kl_coef > 0:
-            per_token = per_token + objective.kl_coef * kl
+            per_token = per_token + objective.kl_coef * (kl * ratio if objective.kl_bias_correction else kl)
     return (per_token * weights * mask).sum(), stats
 
 
 def surrogate(ratio: Tensor, logp: Tensor, adv: Tensor, objective: Objective) -> tuple[Tensor, Tensor]:
     """The per-token policy term to minimise and where it is clipped.
 
-    "clip": ``-min(ratio A, clip(ratio, 1 - eps, 1 + eps_high) A)``, clipped where the clipped term is the smaller.
+    "clip": ``-min(ratio A, clip(ratio, 1 - eps, 1 + eps_high) A)``, clipped where the clipped term is the smaller;
+    with `delta` (two-sided clipping) the first ratio is ``min(ratio, delta)``.
     "cispo": ``-min(ratio, eps_high).detach() A logp`` (the weight caps, the gradient is the logprob's), clipped where
     the ratio passes the cap with A > 0 (TRL's cispo_clip_ratio). "sapo": ``-sigmoid(t (ratio - 1)) 4 / t A`` with
     t the temperature of A's sign (positive, else negative), never clipped."""
@@ -429,7 +441,18 @@ def surrogate(ratio: Tensor, logp: Tensor, adv: Tensor, objective: Objective) ->
         return -torch.sigmoid(t * (ratio - 1)) * 4 / t * adv, torch.zeros_like(ratio, dtype=torch.bool)
     high = objective.clip_eps if objective.clip_eps_high is None else objective.clip_eps_high
     clipped = torch.clamp(ratio, 1 - objective.clip_eps, 1 + high)
+    if objective.delta is not None:  # two-sided: the unclipped term is capped too
+        ratio = torch.clamp(ratio, max=objective.delta)
     return -torch.min(ratio * adv, clipped * adv), (ratio * adv) > (clipped * adv)
+
+
+def off_policy_keep(logp: Tensor, sampler_logp: Tensor, has_old: Tensor, adv: Tensor, mask: Tensor,
+                    segments: Tensor | None, threshold: float) -> Tensor:  # fmt: skip
+    """TRL's off-policy sequence mask (DeepSeek-V3.2): 1 where a completion's advantage is >= 0 or the mean over its
+    tokens of (sampling - policy logprob, detached; 0 for a token without a sampling logprob) is <= `threshold`, else
+    0, at each of its positions."""
+    kl = torch.where(has_old > 0, sampler_logp - logp.detach(), torch.zeros_like(logp))
+    return ((adv >= 0) | (sequence_mean(kl, segments, mask) <= threshold)).to(logp.dtype)
 
 
 def sampler_weights(trainer_logp: Tensor, sampler_logp: Tensor, has_old: Tensor, mask: Tensor, objective: Objective,

@@ -47,8 +47,8 @@ logger = logging.getLogger(__name__)
 
 # Blocks of `max_len` tokens per forward pass in an RL step (at least; `batch_size` if larger).
 MIN_ROWS_PER_MICRO = 8
-STATS = ("loss", "clipped_tokens", "tokens", "kl_sum", "correction_sum", "correction_masked", "routing_changed",
-         "routing_compared")
+STATS = ("loss", "clipped_tokens", "tokens", "kl_sum", "correction_sum", "correction_masked", "off_policy_masked",
+         "routing_changed", "routing_compared")
 
 
 @dataclass
@@ -139,7 +139,7 @@ def grpo_loss(trainer: "Trainer", batch: RLBatch) -> LossFn:
         loss, st = grpo_objective(logp, old, has_old, adv, weights, mb.loss_mask, objective, ref, first, segments)
         zero = torch.zeros((), device=loss.device)
         routing = trainer.routing.take_counts() if trainer.routing is not None else torch.zeros(2)
-        stats = torch.stack([loss.detach(), *(st.get(k, zero) for k in STATS[1:6]),
+        stats = torch.stack([loss.detach(), *(st.get(k, zero) for k in STATS[1:7]),
                              *routing.to(loss.device, loss.dtype)])  # fmt: skip
         return loss, stats.double()
 
@@ -160,7 +160,7 @@ def grpo_step(trainer: "Trainer", batch: RLBatch) -> dict[str, Any]:
     batch.iteration += 1
     tokens, stats = batch.tokens, batch.stats
     trainer.tokens_seen += tokens
-    loss, clipped, n_tokens, kl_sum, correction, masked, changed, compared = (float(x) for x in result.sums)
+    loss, clipped, n_tokens, kl_sum, correction, masked, off_policy, changed, compared = (float(x) for x in result.sums)
     computed = n_tokens
     n_tokens += batch.skipped_loss_tokens  # rows without gradient: in the loss's token count, not computed
     elapsed = time.perf_counter() - start
@@ -184,6 +184,8 @@ def grpo_step(trainer: "Trainer", batch: RLBatch) -> dict[str, Any]:
     if args.vllm_importance_sampling_correction and computed:  # over the tokens computed (rows with a gradient)
         metrics["importance_sampling_ratio_mean"] = correction / computed
         metrics["importance_sampling_masked_fraction"] = masked / computed
+    if args.off_policy_mask_threshold is not None and computed:
+        metrics["off_policy_masked_fraction"] = off_policy / computed
     if args.num_iterations > 1:
         metrics["batch_step"] = (trainer.step - 1) % args.num_iterations + 1  # which of the batch's steps
     if compared:

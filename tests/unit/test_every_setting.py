@@ -50,9 +50,12 @@ MORE_REFUSALS: list[tuple[dict[str, Any], str]] = [
     ({"loss": "grpo", "sapo_temperature_pos": 2.0}, "read by loss 'sapo' only"),
     ({"loss": "grpo", "vllm_importance_sampling_mode": "token_mask"}, "vllm_importance_sampling_correction: true"),
     ({"loss": "sft", "vllm_importance_sampling_correction": True}, "vllm_importance_sampling_correction is a GRPO"),
+    ({"loss": "cispo", "clip_eps_high": 5.0, "delta": 1.5}, "delta caps the clipped ratio"),
+    ({"loss": "sft", "off_policy_mask_threshold": 0.5}, "off_policy_mask_threshold is a GRPO setting"),
+    ({"loss": "grpo", "use_bias_correction_kl": True}, "kl_coef is 0"),
 ]
 REAL_POLICY_JOB = ("tests/integration/training/test_grpo_job.py::"
-                   "test_a_real_jobs_first_loss_is_cispo_sapo_or_the_sampler_corrected_objective")
+                   "test_a_real_jobs_first_loss_is_each_policy_objective")
 SAMPLER_CORRECTION = [  # TRL's vllm_importance_sampling_*: NumPy per mode and bounds, packed = padded, a real job
     "tests/unit/training/test_grpo.py::test_sampler_correction_weighs_each_token_as_trls_vllm_importance_sampling",
     "tests/unit/training/test_grpo.py::test_sequence_level_sampler_correction_packed_gives_the_padded_loss_and_gradients",
@@ -212,6 +215,20 @@ EVIDENCE: dict[str, list[str]] = {
     "TrainArgs.clip_eps_high": [  # rl_step.py passes it as the objective's upper clip (NumPy: clip-higher at 0.28)
         "tests/unit/training/test_grpo.py::test_clipped_objective_matches_numpy",
         "tests/unit/training/test_grpo.py::test_cispo_and_sapo_objectives_and_gradients_match_numpy",  # cispo's cap
+    ],
+    "TrainArgs.delta": [
+        "tests/unit/training/test_grpo.py::"
+        "test_delta_caps_the_unclipped_ratio_and_the_bias_corrected_kl_is_weighted_by_the_ratio",
+        REAL_POLICY_JOB,
+    ],
+    "TrainArgs.off_policy_mask_threshold": [
+        "tests/unit/training/test_grpo.py::"
+        "test_off_policy_sequence_mask_leaves_out_drifted_completions_with_a_negative_advantage",
+        REAL_POLICY_JOB,
+    ],
+    "TrainArgs.use_bias_correction_kl": [  # NumPy loss and gradient (no real job: the unit test is the whole term)
+        "tests/unit/training/test_grpo.py::"
+        "test_delta_caps_the_unclipped_ratio_and_the_bias_corrected_kl_is_weighted_by_the_ratio",
     ],
     "TrainArgs.sapo_temperature_pos": SAPO,
     "TrainArgs.sapo_temperature_neg": SAPO,

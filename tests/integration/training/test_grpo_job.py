@@ -193,7 +193,7 @@ def _model_logprobs(model_dir: Path, prompts: list[str], completion: list[int]) 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     out = []
     for prompt in prompts:
         p = tok(prompt, add_special_tokens=True)["input_ids"]
@@ -203,11 +203,11 @@ def _model_logprobs(model_dir: Path, prompts: list[str], completion: list[int]) 
     return np.array(out)
 
 
-@pytest.mark.parametrize("setting", ["cispo", "sapo", "token_truncate", "sequence_mask"])
-def test_a_real_jobs_first_loss_is_cispo_sapo_or_the_sampler_corrected_objective(tmp_path: Path, tiny_model_dir: Path,
-                                                                                  setting: str) -> None:  # fmt: skip
-    """Loss 'cispo' / 'sapo' and TRL's vllm_importance_sampling_correction reach the trainer: the first step's loss of
-    a real job equals NumPy's on the model's own logprobs (transformers) and the rows' sampling logprobs."""
+@pytest.mark.parametrize("setting", ["cispo", "sapo", "token_truncate", "sequence_mask", "delta", "off_policy"])
+def test_a_real_jobs_first_loss_is_each_policy_objective(tmp_path: Path, tiny_model_dir: Path, setting: str) -> None:
+    """Loss 'cispo' / 'sapo', TRL's vllm_importance_sampling_correction, delta and off_policy_mask_threshold reach the
+    trainer: the first step's loss of a real job equals NumPy's on the model's own logprobs (transformers) and the
+    rows' sampling logprobs."""
     import numpy as np
 
     tokens, sampled = [40, 41, 42], np.array([-4.0, -9.0, -5.0])  # ratios both sides of 1 and of every bound
@@ -218,10 +218,23 @@ def test_a_real_jobs_first_loss_is_cispo_sapo_or_the_sampler_corrected_objective
     a = ((rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, ddof=1, keepdims=True) + 1e-4)).reshape(9, 1)
     r = np.exp(lp - sampled)
     assert (r < 0.5).any() and (r > 5).any()
-    more: dict = {"loss": setting} if setting in ("cispo", "sapo") else {
-        "loss": "grpo", "vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": setting,
-        "vllm_importance_sampling_clip_max": 2.0, "vllm_importance_sampling_clip_min": 0.3}  # fmt: skip
-    if setting == "cispo":
+    more: dict = {"loss": setting} if setting in ("cispo", "sapo") else {"loss": "grpo"}
+    if setting in ("token_truncate", "sequence_mask"):
+        more.update(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=setting,
+                    vllm_importance_sampling_clip_max=2.0, vllm_importance_sampling_clip_min=0.3)
+    clipped = -np.minimum(r * a, np.clip(r, 0.8, 1.2) * a)  # grpo's clipped term (clip_eps 0.2)
+    if setting == "delta":
+        more["delta"] = 1.5
+        assert ((r > 1.5) & (a < 0)).any()  # the cap binds where the unclipped term would grow
+        want = (-np.minimum(np.minimum(r, 1.5) * a, np.clip(r, 0.8, 1.2) * a)).mean()
+    elif setting == "off_policy":
+        drift = (sampled - lp).mean(1, keepdims=True)  # per completion: mean of (sampling - policy logprob)
+        high = np.sort(np.unique(drift.round(6)))[-2:]  # between the two largest: no completion at the threshold
+        more["off_policy_mask_threshold"] = threshold = float(high.mean())
+        keep = (a >= 0) | (drift <= threshold)
+        assert not keep.all() and (~keep | (a >= 0)).any()
+        want = (clipped * keep).mean()
+    elif setting == "cispo":
         more["clip_eps_high"] = 5.0
         want = (-np.minimum(r, 5.0) * a * lp).sum() / lp.size  # dapo's weights: every token alike
     elif setting == "sapo":
@@ -241,6 +254,8 @@ def test_a_real_jobs_first_loss_is_cispo_sapo_or_the_sampler_corrected_objective
     first = job.read_metrics()[0]
     assert first["logprobs_mismatched_rows"] == 0
     assert first["loss"] == pytest.approx(want, rel=1e-4, abs=1e-6), (first, want)
+    if setting == "off_policy":
+        assert first["off_policy_masked_fraction"] == pytest.approx(1 - keep.mean())
     if setting in ("token_truncate", "sequence_mask"):
         assert first["importance_sampling_ratio_mean"] == pytest.approx(weight.mean(), rel=1e-4)
         assert first["importance_sampling_masked_fraction"] == pytest.approx((weight == 0).mean())

@@ -200,6 +200,53 @@ def test_cispo_and_sapo_objectives_and_gradients_match_numpy(loss: str) -> None:
     assert loss == "sapo" or clipped.sum() > 0
 
 
+def test_delta_caps_the_unclipped_ratio_and_the_bias_corrected_kl_is_weighted_by_the_ratio() -> None:
+    """TRL's delta (INTELLECT-2's two-sided clipping: ``-min(min(ratio, delta) A, clip(ratio) A)``) and
+    use_bias_correction_kl (the KL term times the differentiable ratio): loss and gradient against NumPy."""
+    logp, old, ref, adv, mask, has_old = _fixed_batch()
+    adv = -adv.abs()  # negative advantages: the unclipped term is the one that grows with the ratio
+    old = old - 0.5 * torch.tensor([1.0, 0.0, 0.0])[:, None]  # row 0's ratios pass delta = 1.4
+    w = torch.full((3, 6), 0.1)
+    x = logp.clone().requires_grad_(True)
+    got, stats = grpo_objective(x, old, has_old, adv, w, mask, Objective(0.2, kl_coef=0.05, delta=1.4,
+                                                                         kl_bias_correction=True), ref)  # fmt: skip
+    got.backward()
+    lp, o, rf, a, m = (t.double().numpy() for t in (logp, old, ref, adv, mask))
+    r = np.exp(lp - np.where(has_old.numpy() > 0, o, lp))
+    capped, clipped = np.minimum(r, 1.4), np.clip(r, 0.8, 1.2)
+    kl = np.exp(rf - lp) - (rf - lp) - 1
+    want = ((-np.minimum(capped * a, clipped * a) + 0.05 * kl * r) * m * 0.1).sum()
+    assert got.item() == pytest.approx(want, rel=1e-5)
+    assert ((r > 1.4) * m).sum() > 0  # delta binds somewhere
+    first = capped * a <= clipped * a
+    grad_pg = np.where(first & (r < 1.4), -r * a, 0.0)  # the capped and the clipped branches have no gradient
+    grad_kl = 0.05 * (kl * r + (1 - np.exp(rf - lp)) * r)  # d/dlogp (kl x ratio)
+    np.testing.assert_allclose(x.grad.double().numpy(), (grad_pg + grad_kl) * m * 0.1, rtol=1e-5, atol=1e-8)
+    plain, _ = grpo_objective(logp, old, has_old, adv, w, mask, Objective(0.2, kl_coef=0.05), ref)
+    assert abs(plain.item() - want) > 1e-4
+
+
+def test_off_policy_sequence_mask_leaves_out_drifted_completions_with_a_negative_advantage() -> None:
+    """TRL's off_policy_mask_threshold (DeepSeek-V3.2): a completion with A < 0 whose mean (sampling - policy)
+    logprob passes the threshold adds nothing to the policy term; one with A >= 0, or close to the policy, or
+    without sampling logprobs, stays. NumPy."""
+    logp, old, ref, adv, mask, has_old = _fixed_batch()
+    old = logp + 0.02 * torch.linspace(-1, 1, 6)
+    old[1] = logp[1] + 0.3  # row 1 (A < 0) drifted: mean KL 0.3
+    w = torch.full((3, 6), 0.1)
+    got, stats = grpo_objective(logp, old, has_old, adv, w, mask, Objective(0.2, off_policy_threshold=0.1),
+                                segments=_segments(mask))  # fmt: skip
+    lp, o, a, m, has = (t.double().numpy() for t in (logp, old, adv, mask, has_old))
+    kl = np.where(has > 0, o - lp, 0.0)
+    mean_kl = (kl * m).sum(1, keepdims=True) / m.sum(1, keepdims=True)
+    keep = ((a >= 0) | (mean_kl <= 0.1)).astype(float)
+    assert keep[:, 0].tolist() == [1.0, 0.0, 1.0]
+    r = np.exp(lp - np.where(has > 0, o, lp))
+    want = (-np.minimum(r * a, np.clip(r, 0.8, 1.2) * a) * keep * m * 0.1).sum()
+    assert got.item() == pytest.approx(want, rel=1e-5)
+    assert stats["off_policy_masked"].item() == m[1].sum()
+
+
 def _sampler_weights_numpy(trainer: np.ndarray, sampler: np.ndarray, has: np.ndarray, m: np.ndarray, mode: str,
                            low: float | None, high: float | None) -> np.ndarray:  # fmt: skip
     """TRL's vllm_importance_sampling_ratio: exp(trainer - sampler) per token, or of its sum per completion; clipped
@@ -271,6 +318,9 @@ def test_policy_settings_a_loss_does_not_read_are_refused_and_a_stored_config_re
 
     unbounded = {"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": None}
     for kwargs, text in [({"loss": "cispo"}, "caps its importance weight at clip_eps_high"),
+                         ({"loss": "sapo", "delta": 1.5}, "delta caps the clipped ratio"),
+                         ({"loss": "sft", "off_policy_mask_threshold": 0.5}, "off_policy_mask_threshold is a GRPO"),
+                         ({"loss": "grpo", "use_bias_correction_kl": True}, "kl_coef is 0"),
                          ({"loss": "sapo", "clip_eps": 0.3}, "clip_eps is not read"),
                          ({"loss": "sapo", "clip_eps_high": 0.3}, "clip_eps_high is not read"),
                          ({"loss": "dapo", "sapo_temperature_neg": 2.0}, "read by loss 'sapo' only"),
