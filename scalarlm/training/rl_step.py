@@ -47,8 +47,8 @@ logger = logging.getLogger(__name__)
 
 # Blocks of `max_len` tokens per forward pass in an RL step (at least; `batch_size` if larger).
 MIN_ROWS_PER_MICRO = 8
-STATS = ("loss", "clipped_tokens", "tokens", "kl_sum", "correction_sum", "correction_masked", "off_policy_masked",
-         "routing_changed", "routing_compared")
+OBJECTIVE_STATS = ("clipped_tokens", "tokens", "kl_sum", "correction_sum", "correction_masked", "off_policy_masked")
+STATS = ("loss", *OBJECTIVE_STATS, "routing_changed", "routing_compared")  # summed over micro-batches and ranks
 
 
 @dataclass
@@ -139,7 +139,7 @@ def grpo_loss(trainer: "Trainer", batch: RLBatch) -> LossFn:
         loss, st = grpo_objective(logp, old, has_old, adv, weights, mb.loss_mask, objective, ref, first, segments)
         zero = torch.zeros((), device=loss.device)
         routing = trainer.routing.take_counts() if trainer.routing is not None else torch.zeros(2)
-        stats = torch.stack([loss.detach(), *(st.get(k, zero) for k in STATS[1:7]),
+        stats = torch.stack([loss.detach(), *(st.get(k, zero) for k in OBJECTIVE_STATS),
                              *routing.to(loss.device, loss.dtype)])  # fmt: skip
         return loss, stats.double()
 
