@@ -13,6 +13,8 @@ session step, a job's `steps_per_publish` step, not a `steps_per_checkpoint` one
 is staged before its landing starts, it is left out and the newer one lands, so a disk slower than the steps keeps a
 queue of at most one waiting step instead of one that grows by a step per step, and the staged copies in memory are
 those of the steps published during one landing (the left-out ones are pruned once a newer step has landed).
+A staged supersedable step carries a `supersedable` marker file (never landed), so the reconcile after a dead trainer
+(`land_orphaned`) leaves out the same steps the trainer would have.
 A kill during the landing leaves the previous durable step and a `step-N.tmp/` the next publish replaces, never a
 torn `step-N/`. The control plane removes staged copies once their durable copy has landed (`prune_staged`).
 """
@@ -38,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 STAGING_ENV = "SCALARLM_STAGING_DIR"  # the launcher tells a trainer on the serving host where to stage
 STAGED_FILE = "staged"  # in `checkpoints/`: "step-<N> <absolute staged path>"
+SUPERSEDABLE_FILE = "supersedable"  # in a staged step: a newer staged step lands instead of it (never landed itself)
 # A staged copy whose durable copy landed is removed once a newer step is staged or after this long (a worker
 # that began reading it before the landing has that long to finish; files it has open survive the removal).
 STAGED_GRACE_SECONDS = 30.0
@@ -83,14 +86,17 @@ def servable_step(job: JobDir) -> tuple[int, Path] | None:
     return (durable, job.step_dir(durable)) if durable is not None else None
 
 
-def stage_step(job: JobDir, root: Path, manifest: CheckpointManifest, write: Callable[[Path], None]) -> Path:
+def stage_step(job: JobDir, root: Path, manifest: CheckpointManifest, write: Callable[[Path], None],
+               supersedable: bool = False) -> Path:  # fmt: skip
     """Write step N with `write(tmp)` into `root/<job>/step-N/` (renamed into place, no fsync: it is memory) and
-    point `checkpoints/staged` at it; return its path."""
+    point `checkpoints/staged` at it; return its path. `supersedable` marks it (SUPERSEDABLE_FILE)."""
     final = root / job.job_id / f"step-{manifest.step}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     write(tmp)
+    if supersedable:
+        (tmp / SUPERSEDABLE_FILE).touch()
     manifest.created = manifest.created or time.time()
     (tmp / "manifest.json").write_text(manifest.model_dump_json(indent=1))
     shutil.rmtree(final, ignore_errors=True)
@@ -106,16 +112,17 @@ def land_staged(job: JobDir, staged: Path, manifest: CheckpointManifest, keep: i
 
     def copy(dest: Path) -> None:
         for f in staged.iterdir():
-            if f.is_file() and f.name != "manifest.json":
+            if f.is_file() and f.name not in ("manifest.json", SUPERSEDABLE_FILE):
                 shutil.copyfile(f, dest / f.name)
 
     return publish_step(job, manifest, copy, keep)
 
 
 def land_orphaned(job: JobDir) -> list[int]:
-    """Once the trainer is gone: land, in step order, every complete staged step newer than the durable `latest`
+    """Once the trainer is gone: land, in step order, the complete staged steps newer than the durable `latest`
     whose landing it did not finish (it crashed with landings queued), so the version being served stays and a
-    restart or another worker can read it; return those steps."""
+    restart or another worker can read it; return those steps. As the trainer's queue would, it leaves out a
+    supersedable step that a newer staged step overtook (the newest always lands)."""
     staged = staged_step(job)
     if staged is None:
         return []
@@ -128,7 +135,8 @@ def land_orphaned(job: JobDir) -> list[int]:
     landed = []
     for step in step_folders(folder):
         path = folder / f"step-{step}"
-        if step > durable and step <= staged[0] and (path / "manifest.json").exists():
+        overtaken = step < staged[0] and (path / SUPERSEDABLE_FILE).exists()
+        if durable < step <= staged[0] and (path / "manifest.json").exists() and not overtaken:
             land_staged(job, path, CheckpointManifest.model_validate_json((path / "manifest.json").read_text()),
                         keep)  # fmt: skip
             landed.append(step)
@@ -226,7 +234,7 @@ class StagedPublisher:
                                self.root, self.expected_bytes / 2**20, manifest.step)
                 return publish_step(job, manifest, write, self.keep)
         try:
-            staged = stage_step(job, self.root, manifest, write)
+            staged = stage_step(job, self.root, manifest, write, supersedable)
         except OSError as e:  # e.g. the memory filesystem filled up
             logger.warning("could not stage step %d in %s (%s): publishing it durably", manifest.step, self.root, e)
             shutil.rmtree(self.root / job.job_id / f"step-{manifest.step}.tmp", ignore_errors=True)

@@ -18,6 +18,7 @@ from scalarlm.checkpoint import JobDir, latest_step, list_steps, publish_step
 from scalarlm.checkpoint.staging import (
     LANDING_NICE,
     STAGED_GRACE_SECONDS,
+    SUPERSEDABLE_FILE,
     StagedPublisher,
     land_orphaned,
     land_staged,
@@ -163,6 +164,18 @@ def test_orphaned_staged_steps_land_in_order_after_a_crash(job: JobDir, tmp_path
     assert land_orphaned(job) == [2, 3]
     assert list_steps(job) == [1, 2, 3] and (job.step_dir(2) / "model.safetensors").read_bytes() == b"w2"
     assert land_orphaned(job) == []
+
+
+def test_orphaned_steps_land_as_the_trainers_queue_would_have(job: JobDir, tmp_path: Path) -> None:
+    """The reconcile after a dead trainer leaves out the supersedable steps a newer staged step overtook, as the
+    live queue does (the previous test's steps), and lands the rest: the steps it must keep and the newest."""
+    root = tmp_path / "shm"
+    publish_step(job, manifest(1), weights(b"one"))
+    for step, supersedable in ((2, True), (3, True), (4, False), (5, True), (6, True)):
+        stage_step(job, root, manifest(step), weights(f"w{step}".encode()), supersedable)
+    assert land_orphaned(job) == [4, 6] and list_steps(job) == [1, 4, 6] and latest_step(job) == 6
+    assert not (job.step_dir(6) / SUPERSEDABLE_FILE).exists() and (root / "j" / "step-6" / SUPERSEDABLE_FILE).exists()
+    assert prune_staged(job, root) == [2, 3, 4, 5]
 
 
 LAND = """
