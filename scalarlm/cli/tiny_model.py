@@ -20,10 +20,10 @@ from typing import Literal
 logger = logging.getLogger(__name__)
 
 # `--family` names: the trainer's families (scalarlm.training.families) plus llama3 (Llama with llama3 RoPE).
-FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "qwen3_moe",
-            "mixtral")  # fmt: skip
-Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "qwen3_moe",
-                 "mixtral"]  # fmt: skip
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "olmo2", "olmo3",
+            "qwen3_moe", "mixtral")  # fmt: skip
+Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "olmo2",
+                 "olmo3", "qwen3_moe", "mixtral"]  # fmt: skip
 # Mixture-of-experts tiny models: 4 experts, 2 per token, each expert's intermediate size hidden / 2.
 TINY_EXPERTS, TINY_TOPK = 4, 2
 # Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3, Gemma).
@@ -175,6 +175,18 @@ def _family_config(
         return transformers.Gemma3TextConfig(head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=8,
                                              layer_types=types, rope_parameters=rope, attention_bias=False,
                                              hidden_activation="gelu_pytorch_tanh", **common)  # fmt: skip
+    if family == "olmo2":
+        return transformers.Olmo2Config(attention_bias=False, rope_parameters={"rope_type": "default",
+                                        "rope_theta": 500000.0}, **common)  # fmt: skip
+    if family == "olmo3":
+        # OLMo 3's 3:1 sliding:full pattern shrunk to 1:1 (the last layer is full, as in OLMo 3), and its YaRN on the
+        # full layers (factor 8 over the original context, here scaled down so a CPU test reaches past it).
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        yarn = {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "original_max_position_embeddings": max(64, max_position // 8)}  # fmt: skip
+        rope = {"full_attention": yarn, "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}
+        return transformers.Olmo3Config(attention_bias=False, sliding_window=8, layer_types=types,
+                                        rope_parameters=rope, **common)  # fmt: skip
     if family == "qwen3_moe":
         # Qwen3-30B-A3B's fields (norm_topk_prob, every layer sparse), scaled down; the dense layers of
         # mlp_only_layers / decoder_sparse_step use intermediate_size.
@@ -277,6 +289,8 @@ def make_tiny_model(
     return out
 
 
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 8.0, "original_max_position_embeddings": 128}
+
 # One tiny instance per trainer family (and per variant the trainer treats differently), as the parity tests
 # build them: head size 64 (vLLM's CPU attention) except the 32-wide GQA Llama, 2 KV groups so TP=2 splits them.
 FAMILY_TINY_MODELS: dict[str, dict] = {
@@ -288,13 +302,21 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
     # Sliding window on the layers from max_window_layers on, full attention below (per-layer, as transformers).
     "qwen3-sliding": dict(family="qwen3", hidden=256, heads=4, kv_heads=2, seed=7,
                           config_overrides={"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    # Qwen's long-context setting: yarn RoPE scaling (factor 4 over 32K in Qwen3), the original context scaled down so
+    # the 600-token parity sequence reaches past it.
+    "qwen3-yarn": dict(family="qwen3", hidden=256, heads=4, kv_heads=2, seed=15,
+                       config_overrides={"rope_parameters": YARN_ROPE}),
     "smollm3": dict(family="smollm3", hidden=256, heads=4, kv_heads=2, seed=5),
     "phi3": dict(family="phi3", hidden=256, heads=4, kv_heads=2, seed=6),
     "gemma2": dict(family="gemma2", hidden=256, heads=4, kv_heads=2, seed=12),
     "gemma3": dict(family="gemma3", hidden=256, heads=4, kv_heads=2, seed=8),
+    "olmo2": dict(family="olmo2", hidden=256, heads=4, kv_heads=2, seed=13),
+    # Multi-head attention (OLMo 3 7B's), sliding and full layers alternating, YaRN on the full layers.
+    "olmo3": dict(family="olmo3", hidden=256, heads=4, kv_heads=4, seed=14),
     "qwen3-moe": dict(family="qwen3_moe", hidden=256, heads=4, kv_heads=2, seed=9),
-    # HF's other routing (top-k of the softmax, not renormalised) and a dense layer between sparse ones.
+    # HF's other routing (top-k of the softmax, not renormalised), a dense layer between sparse ones, yarn RoPE.
     "qwen3-moe-mixed": dict(family="qwen3_moe", hidden=256, heads=4, kv_heads=2, layers=3, seed=10,
-                            config_overrides={"norm_topk_prob": False, "mlp_only_layers": [1]}),
+                            config_overrides={"norm_topk_prob": False, "mlp_only_layers": [1],
+                                              "rope_parameters": YARN_ROPE}),
     "mixtral": dict(family="mixtral", hidden=256, heads=4, kv_heads=2, seed=11),
 }

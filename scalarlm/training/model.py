@@ -182,8 +182,10 @@ def _sdpa_attention_class(arch: ModelArch):
                 value = value.repeat_interleave(groups, dim=2)
             seq, batch = query.shape[0], query.shape[1]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [B, heads, S, d]
-            opts = {"scale": self.softmax_scale, "dropout_p": self.attention_dropout.p if self.training else 0.0}
-            window = arch.window(self.layer_number - 1)  # megatron numbers layers from 1
+            layer = self.layer_number - 1  # megatron numbers layers from 1
+            opts = {"scale": self.softmax_scale * arch.attention_scale_factor(layer),
+                    "dropout_p": self.attention_dropout.p if self.training else 0.0}  # fmt: skip
+            window = arch.window(layer)
 
             def causal(q, k, v, allowed=None, before=0):
                 # `before`: k and v start with that many keys of a shared prefix, all of them before every query
@@ -342,6 +344,8 @@ def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool 
         model.rotary_pos_emb.inv_freq = llama3_inv_freq(arch)
     if arch.rope_linear_factor is not None:
         model.rotary_pos_emb.inv_freq = model.rotary_pos_emb.inv_freq / arch.rope_linear_factor
+    if arch.yarn_rope is not None:  # its attention_factor: `SdpaAttention`'s scale (arch.attention_scale_factor)
+        model.rotary_pos_emb.inv_freq = yarn_inv_freq(arch)
     adapt(model, arch, torch.bfloat16 if bf16 else torch.float32, _per_document_rope)
     if arch.expert_shard[1] > 1:
         _pad_to_the_group(model, [layer.mlp for layer in model.decoder.layers if arch.is_moe(layer.layer_number - 1)])
@@ -396,6 +400,26 @@ def _pad_moe(moe: torch.nn.Module, group_length: Callable[[Tensor], int]) -> Non
         return out[: hidden_states.shape[0]], bias
 
     moe.forward = forward
+
+
+def yarn_inv_freq(arch: ModelArch) -> Tensor:
+    """RoPE inverse frequencies of `rope_type: yarn`, computed as transformers does: each frequency blends the
+    original (extrapolated) and the factor-interpolated one along a linear ramp between the correction dimensions of
+    beta_fast and beta_slow rotations over the original context."""
+    factor, beta_fast, beta_slow, old_len, _, truncate = arch.yarn_rope  # type: ignore[misc]
+    dim, base = arch.head_dim, arch.rope_theta
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 def llama3_inv_freq(arch: ModelArch) -> Tensor:

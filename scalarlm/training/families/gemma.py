@@ -120,6 +120,5 @@ REFUSED = (
             "train the text model (Gemma3ForCausalLM)"),  # fmt: skip
     Refused(("Qwen2MoeForCausalLM", "PhimoeForCausalLM"),
             "this mixture-of-experts family is not supported yet (Qwen3-MoE and Mixtral are)"),  # fmt: skip
-    Refused(("Olmo2ForCausalLM",), "OLMo 2 uses post-norm and full-width q/k norms, not implemented"),
     Refused(("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"), "multi-latent attention is not supported yet"),
 )

@@ -1,10 +1,12 @@
 """The layer pieces megatron-core 0.16.1 lacks, applied to a built GPTModel by small ordered functions (torch).
 
-Each is driven by one `ModelArch` field, never by the model type (Gemma 2 and 3 are what need them today):
-`norm_offset` swaps every RMSNorm for the zero-centred `x_hat * (1 + w)` one computed in fp32; `sandwich_norms`
-adds an output norm after attention and after the MLP; `embedding_multiplier` scales the embeddings;
-`local_rope_theta` gives the sliding-window layers their own RoPE base; `final_logit_softcap` soft-caps the logits. Parameter names stay megatron's (plus
-`self_attention.post_norm` / `mlp.post_norm`), so the converter's rules name them.
+Each is driven by one `ModelArch` field, never by the model type (Gemma 2/3 and OLMo 2/3 are what need them today):
+`norm_offset` swaps every RMSNorm for the zero-centred `x_hat * (1 + w)` one computed in fp32; `input_norms` False
+removes the norms before attention and the MLP; `qk_norm_over_projection` normalises q and k over every head at once
+(summing the squares over TP); `sandwich_norms` adds an output norm after attention and after the MLP;
+`embedding_multiplier` scales the embeddings; `local_rope_theta` gives the sliding-window layers their own RoPE base;
+`final_logit_softcap` soft-caps the logits. Parameter names stay megatron's (plus `self_attention.post_norm` /
+`mlp.post_norm`), so the converter's rules name them.
 """
 
 from __future__ import annotations
@@ -17,22 +19,72 @@ from torch import Tensor, nn
 from scalarlm.training.families.spec import ModelArch
 
 
-class OffsetRMSNorm(nn.Module):
-    """RMSNorm with a zero-centred weight, `x_hat * (1 + w)` in fp32, cast back (HF's Gemma3RMSNorm)."""
+class FloatRMSNorm(nn.Module):
+    """RMSNorm computed in fp32 with the weight applied in fp32, then cast back: `x_hat * w` (HF's Olmo2RMSNorm) or,
+    with `offset`, the zero-centred `x_hat * (1 + w)` (HF's Gemma3RMSNorm)."""
 
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, offset: bool = False) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter((torch.zeros if offset else torch.ones)(hidden_size, dtype=dtype))
 
     def forward(self, x: Tensor) -> Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).type_as(x)
+        return (h * (1.0 + self.weight.float() if self.offset else self.weight.float())).type_as(x)
 
 
-def _offset_norm(arch: ModelArch, size: int, dtype: torch.dtype) -> OffsetRMSNorm:
-    return OffsetRMSNorm(size, arch.norm_eps, dtype)
+class ProjectionRMSNorm(nn.Module):
+    """HF's RMSNorm over a whole q or k projection (all heads at once, OLMo 2/3) on megatron's [s, b, heads, d]
+    tensors. At TP > 1 a rank holds its heads and their slice of the weight: the sum of squares is all-reduced over
+    TP (differentiably: each rank's loss reaches the sum through its own heads) and divided by the full width."""
+
+    def __init__(self, width: int, tp: int, eps: float, dtype: torch.dtype, group: Any = None) -> None:
+        super().__init__()
+        self.eps, self.full_width, self.group, self.tp = eps, width, group, tp
+        self.weight = nn.Parameter(torch.ones(width // tp, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float().flatten(-2)
+        squares = h.pow(2).sum(-1, keepdim=True)
+        if self.tp > 1:
+            from torch.distributed.nn.functional import all_reduce
+
+            squares = all_reduce(squares, group=self.group)
+        h = h * torch.rsqrt(squares / self.full_width + self.eps)
+        return (self.weight.float() * h).type_as(x).view_as(x)
+
+
+def _offset_norm(arch: ModelArch, size: int, dtype: torch.dtype) -> FloatRMSNorm:
+    return FloatRMSNorm(size, arch.norm_eps, dtype, offset=True)
+
+
+def _float_norm(arch: ModelArch, size: int, dtype: torch.dtype) -> FloatRMSNorm:
+    return FloatRMSNorm(size, arch.norm_eps, dtype)
+
+
+def remove_input_norms(model: nn.Module) -> None:
+    """No norm before attention or before the MLP (the output norms stand alone)."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    for layer in model.decoder.layers:
+        layer.input_layernorm = IdentityOp()
+        layer.pre_mlp_layernorm = IdentityOp()
+
+
+def apply_projection_qk_norms(model: nn.Module, arch: ModelArch, dtype: torch.dtype) -> None:
+    """q and k normalised over the whole projection. Kept out of megatron's `qk_layernorm` config, whose TP sum of
+    the q/k norm grads (`finalize_model_grads`, for weights every rank holds whole) would double these sliced ones."""
+    tp = model.config.tensor_model_parallel_size
+    group = None
+    if tp > 1:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+    for layer in model.decoder.layers:
+        attn = layer.self_attention
+        attn.q_layernorm = ProjectionRMSNorm(arch.num_heads * arch.head_dim, tp, arch.norm_eps, dtype, group)
+        attn.k_layernorm = ProjectionRMSNorm(arch.num_kv_heads * arch.head_dim, tp, arch.norm_eps, dtype, group)
 
 
 def apply_offset_norms(model: nn.Module, arch: ModelArch, dtype: torch.dtype) -> None:
@@ -54,9 +106,7 @@ def _normed_output(module: nn.Module, args: tuple, output: Any) -> Any:
 
 def apply_sandwich_norms(model: nn.Module, arch: ModelArch, dtype: torch.dtype) -> None:
     """An output norm after attention and after the MLP, before each residual add."""
-    norm = _offset_norm if arch.norm_offset else None
-    if norm is None:
-        raise ValueError("sandwich norms are implemented for zero-centred norms only")
+    norm = _offset_norm if arch.norm_offset else _float_norm
     for layer in model.decoder.layers:
         for module in (layer.self_attention, layer.mlp):
             module.post_norm = norm(arch, arch.hidden_size, dtype)
@@ -92,7 +142,7 @@ def apply_local_rope(model: nn.Module, arch: ModelArch, per_document_rope) -> No
         return args, {**kwargs, "rotary_pos_emb": per_document_rope(table, positions)}
 
     for i, layer in enumerate(model.decoder.layers):
-        if arch.window(i) is not None:
+        if arch.uses_local_rope(i):
             layer.self_attention.register_forward_pre_hook(hook, with_kwargs=True)
 
 
@@ -110,6 +160,12 @@ def apply_final_softcap(model: nn.Module, arch: ModelArch) -> None:
 
 def adapt(model: nn.Module, arch: ModelArch, dtype: torch.dtype, per_document_rope) -> None:
     """Apply what `arch` needs beyond megatron's local layer spec, in order."""
+    if not arch.input_norms:
+        if not arch.sandwich_norms:
+            raise ValueError(f"{arch.family}: a model without input norms needs output norms (sandwich_norms)")
+        remove_input_norms(model)
+    if arch.qk_norm_over_projection:
+        apply_projection_qk_norms(model, arch, dtype)
     if arch.norm_offset:
         apply_offset_norms(model, arch, dtype)
     if arch.sandwich_norms:

@@ -70,6 +70,7 @@ QWEN3_MOE = Family(
     name="qwen3_moe",
     architectures=("Qwen3MoeForCausalLM",),
     qk_layernorm=True,
+    rope_types=frozenset({"default", "yarn"}),
     windows=lambda config, layers: layer_type_windows(config, layers, bool(config.get("use_sliding_window"))),
     extra=_qwen3_moe,
     lora_refusal=LORA_REFUSAL,

@@ -8,6 +8,7 @@ QWEN3 = Family(
     name="qwen3",
     architectures=("Qwen3ForCausalLM",),
     qk_layernorm=True,
+    rope_types=frozenset({"default", "yarn"}),
     windows=lambda config, layers: layer_type_windows(config, layers, bool(config.get("use_sliding_window"))),
-    notes="per-head q/k RMSNorm (qk_layernorm)",
+    notes="per-head q/k RMSNorm (qk_layernorm); yarn RoPE scaling (the long-context setting)",
 )

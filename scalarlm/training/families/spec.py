@@ -1,9 +1,9 @@
 """What a model family is, read without torch: its shape (`ModelArch`), its tensor rules, its refusals.
 
-A `Family` is a declaration (one short module each: llama.py, qwen3.py, phi3.py, smollm3.py, gemma.py). `read_arch`
-turns an HF `config.json` dict plus the checkpoint's tensor names into a `ModelArch`, or raises `InvalidRequest`
-naming the field or tensor it cannot train exactly as Hugging Face runs it. Nothing here imports torch, so the
-control plane refuses an unsupported model at submission with the same code the trainer runs.
+A `Family` is a declaration (one short module each: llama.py, qwen3.py, phi3.py, smollm3.py, gemma.py, olmo.py).
+`read_arch` turns an HF `config.json` dict plus the checkpoint's tensor names into a `ModelArch`, or raises
+`InvalidRequest` naming the field or tensor it cannot train exactly as Hugging Face runs it. Nothing here imports
+torch, so the control plane refuses an unsupported model at submission with the same code the trainer runs.
 
 `rules(arch)` lists every megatron parameter and the HF tensors it is made of; `layouts.py` (torch) does the fusing,
 splitting and TP sharding those rules name.
@@ -11,6 +11,7 @@ splitting and TP sharding those rules name.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -53,7 +54,10 @@ class ModelArch:
     tied_embeddings: bool
     qkv_bias: bool = False
     attention_dropout: float = 0.0
-    qk_layernorm: bool = False
+    qk_layernorm: bool = False  # per-head q/k RMSNorm (megatron's q/k_layernorm; Qwen3, Gemma 3)
+    # q/k RMSNorm over the whole projection (every head at once, weights of width heads x head_dim; OLMo 2/3): TP
+    # ranks hold their heads' slice of the weight and sum the squares over TP.
+    qk_norm_over_projection: bool = False
     fused_qkv: bool = False  # HF holds one self_attn.qkv_proj ([q; k; v]) instead of q/k/v_proj
     fused_gate_up: bool = False  # HF holds one mlp.gate_up_proj ([gate; up])
     llama3_rope: tuple[float, float, float, int] | None = None  # factor, low_freq_factor, high_freq_factor, orig_max
@@ -61,11 +65,15 @@ class ModelArch:
     windows: tuple[int | None, ...] = ()  # per layer: sliding window as HF applies it (empty = none)
     activation: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     norm_offset: bool = False  # zero-centred RMSNorm: x_hat * (1 + w), computed in fp32 (Gemma)
-    sandwich_norms: bool = False  # output norms after attention and after the MLP (Gemma 2/3)
+    sandwich_norms: bool = False  # output norms after attention and after the MLP (Gemma 2/3, OLMo 2/3)
+    input_norms: bool = True  # norms before attention and before the MLP (OLMo 2/3: none, output norms only)
     embedding_multiplier: float | None = None  # embeddings scaled by this (Gemma: sqrt(hidden_size))
     softmax_scale: float | None = None  # attention scale (None: head_dim ** -0.5)
     local_rope_theta: float | None = None  # RoPE base of the sliding-window layers when it differs (Gemma 3)
     rope_linear_factor: float | None = None  # `linear` RoPE scaling of the global layers (inv_freq / factor)
+    # `yarn` RoPE scaling, as transformers computes it (of every layer but those with a `local_rope_theta`): factor,
+    # beta_fast, beta_slow, original_max_position_embeddings, attention_factor (cos and sin scaled by it), truncate.
+    yarn_rope: tuple[float, float, float, int, float, bool] | None = None
     attn_logit_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
     final_logit_softcap: float | None = None  # output logits -> cap * tanh(logits / cap) (Gemma 2)
     # Mixture of experts (0 experts = dense): routed experts per MoE layer, experts per token, each expert's
@@ -103,6 +111,18 @@ class ModelArch:
     def uses_rope(self, layer: int) -> bool:
         return self.rope_layers[layer] if self.rope_layers else True
 
+    def uses_local_rope(self, layer: int) -> bool:
+        """Whether 0-based `layer` rotates with the sliding layers' own RoPE (`local_rope_theta`, unscaled) instead of
+        the model's."""
+        return self.local_rope_theta is not None and self.window(layer) is not None
+
+    def attention_scale_factor(self, layer: int) -> float:
+        """What 0-based `layer`'s attention scores are multiplied by beyond the softmax scale: YaRN's
+        attention_factor squared on the layers it scales (HF scales cos and sin by it, so q and k each carry it)."""
+        if self.yarn_rope is None or self.uses_local_rope(layer):
+            return 1.0
+        return self.yarn_rope[4] ** 2
+
 
 @dataclass(frozen=True)
 class Family:
@@ -112,6 +132,7 @@ class Family:
     architectures: tuple[str, ...]
     rope_types: frozenset[str] = frozenset({"default"})
     qk_layernorm: bool = False
+    qk_norm_over_projection: bool = False
     fused_qkv: bool = False
     fused_gate_up: bool = False
     qkv_bias_from_weights: bool = False  # Qwen2: q/k/v carry biases (o_proj none), seen in the tensor names
@@ -122,6 +143,7 @@ class Family:
     # Family-specific ModelArch fields read from the config (e.g. Gemma's norms, RoPE bases); may refuse.
     extra: Callable[[dict[str, Any]], dict[str, Any]] = field(default=lambda config: {})
     sandwich_norms: bool = False
+    input_norms: bool = True
     lora_refusal: str | None = None  # why LoRA is not supported for this family (None: it is)
     notes: str = ""
 
@@ -157,7 +179,8 @@ def rope_parameters(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
     return scaling, "rope_scaling"
 
 
-def _read_rope(config: dict[str, Any], family: Family) -> tuple[float, tuple[float, float, float, int] | None]:
+def _read_rope(config: dict[str, Any], family: Family) -> dict[str, Any]:
+    """The ModelArch fields of the config's RoPE: `rope_theta`, and `llama3_rope` or `yarn_rope` when scaled."""
     params, where = rope_parameters(config)
     rope_type = params.get("rope_type") or "default"
     if rope_type not in family.rope_types:
@@ -170,8 +193,11 @@ def _read_rope(config: dict[str, Any], family: Family) -> tuple[float, tuple[flo
     if partial is not None and float(partial) != 1.0:
         raise InvalidRequest(f"partial_rotary_factor {partial} (partial RoPE) is not supported yet", param="model")
     theta = float(params.get("rope_theta") or _value(config, "rope_theta", 10000.0))
+    if rope_type == "yarn":
+        max_position = int(_value(config, "max_position_embeddings", 4096))
+        return {"rope_theta": theta, "yarn_rope": read_yarn(params, where, max_position, params.get("truncate", True))}
     if rope_type != "llama3":
-        return theta, None
+        return {"rope_theta": theta}
     try:
         llama3 = (
             float(params["factor"]),
@@ -181,7 +207,30 @@ def _read_rope(config: dict[str, Any], family: Family) -> tuple[float, tuple[flo
         )
     except KeyError as e:
         raise InvalidRequest(f"{where} of rope_type 'llama3' lacks {e.args[0]!r}", param="model") from None
-    return theta, llama3
+    return {"rope_theta": theta, "llama3_rope": llama3}
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def read_yarn(params: dict[str, Any], where: str, max_position_embeddings: int,
+              truncate: bool) -> tuple[float, float, float, int, float, bool]:  # fmt: skip
+    """`yarn` RoPE parameters as transformers reads them (`_compute_yarn_parameters`): a missing factor is
+    max_position_embeddings / original_max_position_embeddings, a missing attention_factor comes from the factor (and
+    `mscale` / `mscale_all_dim` when both are set). `truncate` is passed in: transformers reads it from the top level
+    of `rope_parameters`, not from a layer type's entry."""
+    if params.get("original_max_position_embeddings") is None:
+        raise InvalidRequest(f"{where} of rope_type 'yarn' lacks 'original_max_position_embeddings'", param="model")
+    original = int(params["original_max_position_embeddings"])
+    factor = float(params["factor"]) if params.get("factor") is not None else max_position_embeddings / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim) if mscale and all_dim else \
+            _yarn_mscale(factor)  # fmt: skip
+    beta_fast, beta_slow = float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1)
+    return factor, beta_fast, beta_slow, original, float(attention), truncate
 
 
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -230,7 +279,7 @@ def read_arch(config: dict[str, Any], tensor_names: Iterable[str], families: dic
     activation = _activation(config, family)
     names = set(tensor_names)
     extra = family.extra(config)
-    theta, llama3 = (extra.pop("rope_theta"), None) if "rope_theta" in extra else _read_rope(config, family)
+    rope = {} if "rope_theta" in extra else _read_rope(config, family)
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
     layers = int(config["num_hidden_layers"])
@@ -245,19 +294,20 @@ def read_arch(config: dict[str, Any], tensor_names: Iterable[str], families: dic
         head_dim=int(_value(config, "head_dim", hidden // heads)),
         ffn_hidden_size=int(config["intermediate_size"]),
         norm_eps=float(_value(config, "rms_norm_eps", 1e-6)),
-        rope_theta=theta,
         max_position_embeddings=int(_value(config, "max_position_embeddings", 4096)),
         tied_embeddings=bool(_value(config, "tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         attention_dropout=float(_value(config, "attention_dropout", 0.0)),
         qk_layernorm=family.qk_layernorm,
+        qk_norm_over_projection=family.qk_norm_over_projection,
         fused_qkv=family.fused_qkv,
         fused_gate_up=family.fused_gate_up,
-        llama3_rope=llama3,
         rope_layers=family.rope_layers(config, layers),
         windows=family.windows(config, layers),
         activation=activation,
         sandwich_norms=family.sandwich_norms,
+        input_norms=family.input_norms,
+        **rope,
         **extra,
     )
     if arch.num_heads % arch.num_kv_heads:
@@ -274,20 +324,23 @@ def rules(arch: ModelArch) -> Iterator[Rule]:
     for i in range(arch.num_layers):
         hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
         attn, mlp = hf + "self_attn.", hf + "mlp."
-        yield Rule(mc + "input_layernorm.weight", (hf + "input_layernorm.weight",), "replicated")
+        if arch.input_norms:
+            yield Rule(mc + "input_layernorm.weight", (hf + "input_layernorm.weight",), "replicated")
         if arch.fused_qkv:
             yield Rule(mc + "self_attention.linear_qkv.weight", (attn + "qkv_proj.weight",), "qkv")
         else:
             yield Rule(mc + "self_attention.linear_qkv.weight", tuple(f"{attn}{p}_proj.weight" for p in "qkv"), "qkv")
         if arch.qkv_bias:
             yield Rule(mc + "self_attention.linear_qkv.bias", tuple(f"{attn}{p}_proj.bias" for p in "qkv"), "qkv")
-        if arch.qk_layernorm:
-            yield Rule(mc + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), "replicated")
-            yield Rule(mc + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), "replicated")
+        if arch.qk_layernorm or arch.qk_norm_over_projection:
+            kind = "dim0" if arch.qk_norm_over_projection else "replicated"  # each TP rank: its heads' slice
+            yield Rule(mc + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), kind)
+            yield Rule(mc + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), kind)
         yield Rule(mc + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "dim1")
         if arch.sandwich_norms:  # HF's post_attention_layernorm is an output norm here, not the pre-MLP norm
             yield Rule(mc + "self_attention.post_norm.weight", (hf + "post_attention_layernorm.weight",), "replicated")
-            yield Rule(mc + "pre_mlp_layernorm.weight", (hf + "pre_feedforward_layernorm.weight",), "replicated")
+            if arch.input_norms:
+                yield Rule(mc + "pre_mlp_layernorm.weight", (hf + "pre_feedforward_layernorm.weight",), "replicated")
             yield Rule(mc + "mlp.post_norm.weight", (hf + "post_feedforward_layernorm.weight",), "replicated")
         else:
             yield Rule(mc + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), "replicated")

@@ -125,13 +125,16 @@ def test_sft_dp2_tp2_matches_tp1(sft_ref: JobDir, root: Path, tiny_model_dir: Pa
     assert_same_curve(job, sft_ref, ("loss", "grad_norm"))
 
 
-def test_full_sft_of_qwen3_at_tp2_sums_the_qk_norm_grads_over_tp(root: Path, family_models: dict[str, Path]) -> None:
-    # Each TP rank normalises only its own heads with the q/k norms every rank holds whole: without the TP sum of
-    # their grads the step-1 grad norm was 15.428 against 15.433 and the loss left the curve by 5e-3 at step 4.
-    model = family_models["qwen3"]
-    ref = run_job(root, "qwen3-tp1", model, qa_rows(), 1, SFT)
+@pytest.mark.parametrize("family", ["qwen3", "olmo2"])
+def test_full_sft_with_qk_norms_at_tp2_matches_tp1(family: str, root: Path, family_models: dict[str, Path]) -> None:
+    """qwen3: each TP rank normalises only its own heads with the per-head q/k norms every rank holds whole; without
+    the TP sum of their grads the step-1 grad norm was 15.428 against 15.433 and the loss left the curve by 5e-3 at
+    step 4. olmo2: the norms span every head, so each rank holds its heads' slice of them and sums the squares over
+    TP; those grads must not be summed again."""
+    model = family_models[family]
+    ref = run_job(root, f"{family}-tp1", model, qa_rows(), 1, SFT)
     ranks, layout = LAYOUTS["tp2"]
-    job = run_job(root, "qwen3-tp2", model, qa_rows(), ranks, {**SFT, **layout})
+    job = run_job(root, f"{family}-tp2", model, qa_rows(), ranks, {**SFT, **layout})
     assert_same_curve(job, ref, ("loss", "grad_norm"))
 
 

@@ -80,9 +80,9 @@ def test_unmapped_tensor_is_named(serve, tiny_model_dir: Path, tmp_path: Path) -
 
 
 def test_unknown_rope_type_is_named(serve, tiny_model_dir: Path, tmp_path: Path) -> None:
-    model = _copy(tiny_model_dir, tmp_path / "yarn")
-    _edit_config(model, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})
-    _refused(*serve(model), {}, "rope_type 'yarn'")
+    model = _copy(tiny_model_dir, tmp_path / "dynamic")
+    _edit_config(model, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})
+    _refused(*serve(model), {}, "rope_type 'dynamic'")
 
 
 @pytest.mark.parametrize(

@@ -67,8 +67,8 @@ def test_unsupported_models_and_layouts_are_rejected(tiny_model_dir: Path) -> No
     names = hf_io.tensor_names(tiny_model_dir)
     with pytest.raises(InvalidRequest, match="not supported"):
         read_arch({**config, "architectures": ["GPT2LMHeadModel"]}, names)
-    with pytest.raises(InvalidRequest, match="rope_type 'yarn'"):
-        read_arch({**config, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, names)
+    with pytest.raises(InvalidRequest, match="rope_type 'dynamic'"):
+        read_arch({**config, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, names)
     arch = read_arch(config, names)
     with pytest.raises(InvalidRequest, match="tensor_parallel_size 3"):
         check_tensor_parallel(arch, 3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 
 from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.training.families import BY_NAME, FAMILIES, FAMILY_LIST, hf_tensor_names, read_arch
-from scalarlm.training.families.spec import ModelArch, lora_targets
+from scalarlm.training.families.spec import ModelArch, lora_targets, rules
 
 BASE = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 256, "num_hidden_layers": 2,
@@ -35,7 +36,8 @@ def _names_for(config: dict) -> list[str]:
                       num_heads=1, num_kv_heads=1, head_dim=1, ffn_hidden_size=1, norm_eps=0.0, rope_theta=0.0,
                       max_position_embeddings=1, tied_embeddings=tied, qk_layernorm=family.qk_layernorm,
                       fused_qkv=family.fused_qkv, fused_gate_up=family.fused_gate_up,
-                      sandwich_norms=family.sandwich_norms)  # fmt: skip
+                      sandwich_norms=family.sandwich_norms, input_norms=family.input_norms,
+                      qk_norm_over_projection=family.qk_norm_over_projection)  # fmt: skip
     return hf_tensor_names(shape)
 
 
@@ -47,7 +49,7 @@ def test_family_modules_import_no_torch() -> None:
 
 def test_registry_names_every_family_once() -> None:
     assert {f.name for f in FAMILY_LIST} == {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2",
-                                            "gemma3", "qwen3_moe", "mixtral"}
+                                            "gemma3", "olmo2", "olmo3", "qwen3_moe", "mixtral"}
     assert all(FAMILIES[a] is f for f in FAMILY_LIST for a in f.architectures)
 
 
@@ -61,9 +63,27 @@ def test_llama3_rope_is_read_from_the_config_and_needs_all_its_fields() -> None:
         arch_of(rope_parameters=partial)
 
 
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_yarn_rope_is_read_as_transformers_reads_it(architecture: str) -> None:
+    """(Qwen3-MoE reads it the same way: its tiny `qwen3-moe-mixed` model has yarn, test_moe_parity.py.)"""
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 32768}
+    arch = arch_of(architecture, rope_parameters=yarn)
+    assert arch.rope_theta == 1e6 and arch.yarn_rope == (4.0, 32.0, 1.0, 32768, 0.1 * math.log(4.0) + 1.0, True)
+    assert arch.attention_scale_factor(0) == arch.attention_scale_factor(1) == arch.yarn_rope[4] ** 2  # every layer
+    legacy = arch_of(architecture, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+                                                 "beta_fast": 16.0, "truncate": False}, rope_theta=1e6)
+    assert legacy.yarn_rope == (4.0, 16.0, 1.0, 32768, arch.yarn_rope[4], False)
+    derived = arch_of(architecture, rope_parameters={**yarn, "factor": None, "mscale": 2.0, "mscale_all_dim": 1.0},
+                      max_position_embeddings=131072)  # fmt: skip
+    assert derived.yarn_rope[0] == 4.0 and derived.yarn_rope[4] == (0.2 * math.log(4.0) + 1) / (0.1 * math.log(4.0) + 1)
+    with pytest.raises(InvalidRequest, match="rope_parameters of rope_type 'yarn' lacks 'original_max_position_emb"):
+        arch_of(architecture, rope_parameters={"rope_type": "yarn", "factor": 4.0})
+    assert arch_of(architecture).attention_scale_factor(0) == 1.0
+
+
 @pytest.mark.parametrize(
     ("architecture", "rope_type"),
-    [("LlamaForCausalLM", "yarn"), ("LlamaForCausalLM", "dynamic"), ("Qwen3ForCausalLM", "llama3"),
+    [("MistralForCausalLM", "yarn"), ("LlamaForCausalLM", "dynamic"), ("Qwen3ForCausalLM", "llama3"),
      ("Phi3ForCausalLM", "longrope"), ("Phi3ForCausalLM", "su")],
 )  # fmt: skip
 def test_unknown_rope_types_are_refused_naming_the_field(architecture: str, rope_type: str) -> None:
@@ -150,6 +170,49 @@ def test_gemma2_reads_its_soft_caps_alternating_windows_and_one_rope_base() -> N
         arch_of(**GEMMA2, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
     with pytest.raises(InvalidRequest, match="use_bidirectional_attention"):
         arch_of(**GEMMA2, use_bidirectional_attention=True)
+
+
+OLMO3 = {"architectures": ["Olmo3ForCausalLM"], "sliding_window": 4096, "num_hidden_layers": 4,
+         "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}  # fmt: skip
+
+
+def test_olmo_reads_output_norms_projection_wide_qk_norms_windows_and_rope_bases() -> None:
+    olmo2 = arch_of("Olmo2ForCausalLM", rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    assert not olmo2.input_norms and olmo2.sandwich_norms and not olmo2.norm_offset
+    assert olmo2.qk_norm_over_projection and not olmo2.qk_layernorm  # megatron's per-head norms stay off
+    assert (olmo2.rope_theta, olmo2.windows) == (500000.0, ())
+    names = set(hf_tensor_names(olmo2))
+    assert {"model.layers.0.post_attention_layernorm.weight", "model.layers.0.post_feedforward_layernorm.weight",
+            "model.layers.0.self_attn.q_norm.weight"} <= names  # fmt: skip
+    assert not {"model.layers.0.input_layernorm.weight", "model.layers.0.pre_feedforward_layernorm.weight"} & names
+    kinds = {rule.mcore: rule.kind for rule in rules(olmo2)}
+    assert kinds["decoder.layers.1.self_attention.k_layernorm.weight"] == "dim0"  # each TP rank: its heads' slice
+    assert kinds["decoder.layers.0.mlp.post_norm.weight"] == "replicated"
+
+    derived = arch_of("Olmo3ForCausalLM", num_hidden_layers=4)  # transformers' defaults: 3 sliding, 1 full; 4096
+    assert derived.windows == (4096, 4096, 4096, None) and (derived.rope_theta, derived.yarn_rope) == (5e5, None)
+    assert not derived.input_norms and derived.qk_norm_over_projection and derived.local_rope_theta is None
+    yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192}
+    legacy = arch_of(**OLMO3, rope_theta=5e5, rope_scaling=yarn)  # transformers 4.x: the scaling is the full layers'
+    assert legacy.yarn_rope == (8.0, 32.0, 1.0, 8192, 0.1 * math.log(8.0) + 1.0, True)  # OLMo 3's 1.2079
+    assert (legacy.rope_theta, legacy.local_rope_theta) == (5e5, 5e5)  # the sliding layers rotate unscaled
+    assert [legacy.attention_scale_factor(i) for i in range(4)] == [1.0, 1.0, 1.0, legacy.yarn_rope[4] ** 2]
+    # transformers 4.x configs: `rope_theta` is the full layers' alone, the sliding layers keep the default base
+    quirk = arch_of(**OLMO3, rope_theta=1e4)
+    assert (quirk.rope_theta, quirk.local_rope_theta) == (1e4, 5e5)
+    per_type = arch_of(**OLMO3, rope_parameters={"full_attention": {**yarn, "rope_theta": 5e5, "attention_factor": 1.5,
+                                                                    "beta_fast": 16},
+                                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                 "truncate": False})  # fmt: skip
+    assert per_type.yarn_rope == (8.0, 16.0, 1.0, 8192, 1.5, False) and per_type.local_rope_theta == 1e4
+    with pytest.raises(InvalidRequest, match="rope_parameters.full_attention of rope_type 'yarn' lacks 'original_max"):
+        arch_of(**OLMO3, rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 8.0}})
+    with pytest.raises(InvalidRequest, match="rope_parameters.sliding_attention.rope_type 'yarn': RoPE scaling on"):
+        arch_of(**OLMO3, rope_parameters={"sliding_attention": yarn, "full_attention": {"rope_type": "default"}})
+    with pytest.raises(InvalidRequest, match=r"rope_scaling.rope_type 'dynamic' is not supported for olmo3"):
+        arch_of(**OLMO3, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(InvalidRequest, match="attention_bias"):
+        arch_of("Olmo2ForCausalLM", attention_bias=True)
 
 
 def test_tensor_names_are_strict() -> None:
