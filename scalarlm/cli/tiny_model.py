@@ -21,9 +21,9 @@ logger = logging.getLogger(__name__)
 
 # `--family` names: the trainer's families (scalarlm.training.families) plus llama3 (Llama with llama3 RoPE).
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "olmo2", "olmo3",
-            "qwen3_moe", "mixtral")  # fmt: skip
+            "qwen3_moe", "qwen2_moe", "mixtral")  # fmt: skip
 Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "olmo2",
-                 "olmo3", "qwen3_moe", "mixtral"]  # fmt: skip
+                 "olmo3", "qwen3_moe", "qwen2_moe", "mixtral"]  # fmt: skip
 # Mixture-of-experts tiny models: 4 experts, 2 per token, each expert's intermediate size hidden / 2.
 TINY_EXPERTS, TINY_TOPK = 4, 2
 # Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3, Gemma).
@@ -196,6 +196,15 @@ def _family_config(
                                            decoder_sparse_step=1, mlp_only_layers=[],
                                            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
                                            **common)  # fmt: skip
+    if family == "qwen2_moe":
+        # Qwen1.5-MoE-A2.7B's fields (plain top-k, q/k/v biases, a shared expert 4x an expert's size), scaled down.
+        return transformers.Qwen2MoeConfig(num_experts=TINY_EXPERTS, num_experts_per_tok=TINY_TOPK,
+                                           moe_intermediate_size=hidden // 2,
+                                           shared_expert_intermediate_size=2 * hidden,
+                                           norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+                                           qkv_bias=True, use_sliding_window=False,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                                           **common)  # fmt: skip
     if family == "mixtral":
         # Mixtral's experts have intermediate_size each.
         return transformers.MixtralConfig(head_dim=head_dim, num_local_experts=TINY_EXPERTS,
@@ -319,4 +328,5 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
                             config_overrides={"norm_topk_prob": False, "mlp_only_layers": [1],
                                               "rope_parameters": YARN_ROPE}),
     "mixtral": dict(family="mixtral", hidden=256, heads=4, kv_heads=2, seed=11),
+    "qwen2-moe": dict(family="qwen2_moe", hidden=256, heads=4, kv_heads=2, seed=16),
 }

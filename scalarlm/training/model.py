@@ -111,6 +111,8 @@ def _moe_config(arch: ModelArch, aux_loss_coef: float) -> dict:
         "num_moe_experts": arch.num_experts,
         "moe_router_topk": arch.moe_topk,
         "moe_ffn_hidden_size": arch.moe_ffn_hidden_size,
+        "moe_shared_expert_intermediate_size": arch.moe_shared_ffn_hidden_size or None,
+        "moe_shared_expert_gate": arch.moe_shared_gate,
         "moe_router_pre_softmax": not arch.moe_norm_topk,
         "moe_router_score_function": "softmax",
         "moe_router_dtype": "fp32",

@@ -118,7 +118,7 @@ REFUSED = (
     Refused(("Gemma3ForConditionalGeneration",),
             "multimodal Gemma 3 (4B+) checkpoints carry vision towers the trainer does not keep; "
             "train the text model (Gemma3ForCausalLM)"),  # fmt: skip
-    Refused(("Qwen2MoeForCausalLM", "PhimoeForCausalLM"),
-            "this mixture-of-experts family is not supported yet (Qwen3-MoE and Mixtral are)"),  # fmt: skip
+    Refused(("PhimoeForCausalLM",),
+            "this mixture-of-experts family is not supported yet (Qwen3-MoE, Qwen2-MoE and Mixtral are)"),  # fmt: skip
     Refused(("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"), "multi-latent attention is not supported yet"),
 )

@@ -1,6 +1,8 @@
-"""Mixture-of-experts families: Qwen3-MoE (`Qwen3MoeForCausalLM`) and Mixtral (`MixtralForCausalLM`).
+"""Mixture-of-experts families: Qwen3-MoE (`Qwen3MoeForCausalLM`), Qwen2-MoE (`Qwen2MoeForCausalLM`) and Mixtral
+(`MixtralForCausalLM`).
 
-Each is its dense sibling (Qwen3: per-head q/k norms; Mistral: optional `sliding_window` on every layer) with the
+Each is its dense sibling (Qwen3: per-head q/k norms; Qwen2: q/k/v biases; Mistral: optional `sliding_window` on
+every layer) with the
 MLP replaced, on the sparse layers, by megatron-core's `MoELayer` on the local spec: a top-k router computed in fp32
 and `SequentialMLP` experts (one SwiGLU MLP each). HF's router (`gate`) -> `mlp.router`, each expert's gate/up ->
 `mlp.experts.local_experts.{e}.linear_fc1` as [gate; up], down -> `linear_fc2`; publish writes the hub's per-expert
@@ -9,12 +11,14 @@ layout back (what `transformers` and vLLM load).
 Routing as HF computes it: softmax over all experts, the top k, renormalised to sum 1 when `norm_topk_prob`
 (Mixtral: always). megatron's `moe_router_pre_softmax=False` (top k of the logits, softmax over those k) is exactly
 the renormalised case; `True` (softmax first, top k) the other. Qwen3-MoE's dense layers (`mlp_only_layers`,
-`decoder_sparse_step`) keep the dense MLP of size `intermediate_size`.
+`decoder_sparse_step`) keep the dense MLP of size `intermediate_size`, as do Qwen2-MoE's. Qwen2-MoE adds a shared
+expert to every sparse layer (megatron's `SharedExpertMLP` with its sigmoid gate: `shared_expert.*` ->
+`mlp.shared_experts.linear_fc1/fc2`, `shared_expert_gate` -> `mlp.shared_experts.gate_weight`).
 
 Refused: Mixtral's `router_jitter_noise` (HF scales the hidden states fed to router and experts, megatron's jitter
-only the router's input), shared experts and LoRA (no per-expert adapter rule yet). The load-balancing loss is off
-unless the train arg `moe_aux_loss_coef` is set (HF: unless `output_router_logits`); its value is always in the
-metrics (`training/moe_balance.py`).
+only the router's input), shared experts on Qwen3-MoE, and LoRA (no per-expert adapter rule yet). The load-balancing
+loss is off unless the train arg `moe_aux_loss_coef` is set (HF: unless `output_router_logits`); its value is always
+in the metrics (`training/moe_balance.py`).
 """
 
 from __future__ import annotations
@@ -38,14 +42,14 @@ def _experts(config: dict[str, Any], norm_topk: bool) -> dict[str, Any]:
     return {"num_experts": experts, "moe_topk": topk, "moe_norm_topk": norm_topk}
 
 
-def _qwen3_moe(config: dict[str, Any]) -> dict[str, Any]:
+def _qwen_moe(config: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2-MoE's and Qwen3-MoE's experts: sparse layers from `decoder_sparse_step` and `mlp_only_layers`, routing
+    renormalised when `norm_topk_prob`."""
     layers = int(config["num_hidden_layers"])
     step = int(config.get("decoder_sparse_step") or 1)
     dense = set(config.get("mlp_only_layers") or [])
     if not dense <= set(range(layers)):
         raise InvalidRequest(f"mlp_only_layers {sorted(dense)} name layers the model does not have", param="model")
-    if config.get("shared_expert_intermediate_size"):
-        raise InvalidRequest("shared experts are not supported", param="model")
     sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
     return {
         **_experts(config, bool(config.get("norm_topk_prob"))),
@@ -53,6 +57,18 @@ def _qwen3_moe(config: dict[str, Any]) -> dict[str, Any]:
         "moe_layers": () if all(sparse) else sparse,
         "expert_names": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
     }
+
+
+def _qwen3_moe(config: dict[str, Any]) -> dict[str, Any]:
+    if config.get("shared_expert_intermediate_size"):
+        raise InvalidRequest("shared experts are not supported for qwen3_moe (Qwen2-MoE's are)", param="model")
+    return _qwen_moe(config)
+
+
+def _qwen2_moe(config: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2-MoE: Qwen3-MoE's routing plus a gated shared expert on every sparse layer."""
+    shared = int(config.get("shared_expert_intermediate_size") or 0)
+    return {**_qwen_moe(config), "moe_shared_ffn_hidden_size": shared, "moe_shared_gate": shared > 0}
 
 
 def _mixtral(config: dict[str, Any]) -> dict[str, Any]:
@@ -75,6 +91,17 @@ QWEN3_MOE = Family(
     extra=_qwen3_moe,
     lora_refusal=LORA_REFUSAL,
     notes="Qwen3 + top-k MoE (norm_topk_prob, decoder_sparse_step, mlp_only_layers)",
+)
+
+QWEN2_MOE = Family(
+    name="qwen2_moe",
+    architectures=("Qwen2MoeForCausalLM",),
+    qkv_bias_from_weights=True,
+    rope_types=frozenset({"default", "yarn"}),
+    windows=lambda config, layers: layer_type_windows(config, layers, bool(config.get("use_sliding_window"))),
+    extra=_qwen2_moe,
+    lora_refusal=LORA_REFUSAL,
+    notes="Qwen2 attention (q/k/v biases) + top-k MoE with a sigmoid-gated shared expert",
 )
 
 MIXTRAL = Family(

@@ -82,6 +82,10 @@ class ModelArch:
     num_experts: int = 0
     moe_topk: int = 0
     moe_ffn_hidden_size: int = 0
+    # Shared experts (Qwen2-MoE): one SwiGLU MLP of this size beside the routed experts on every MoE layer, its output
+    # scaled by sigmoid(shared_expert_gate(x)) when `moe_shared_gate` (0: none). HF names: shared_expert(_gate).
+    moe_shared_ffn_hidden_size: int = 0
+    moe_shared_gate: bool = False
     moe_norm_topk: bool = True
     moe_layers: tuple[bool, ...] = ()
     expert_names: tuple[str, str, str, str, str] = ()
@@ -363,6 +367,12 @@ def _expert_rules(arch: ModelArch, hf: str, mc: str) -> Iterator[Rule]:
     experts of `arch.expert_shard`'s rank, numbered locally."""
     block, router, gate, up, down = arch.expert_names
     yield Rule(mc + "mlp.router.weight", (f"{hf}{block}.{router}.weight",), "replicated")
+    if arch.moe_shared_ffn_hidden_size:
+        src, dst = f"{hf}{block}.shared_expert.", f"{mc}mlp.shared_experts."
+        yield Rule(dst + "linear_fc1.weight", (f"{src}gate_proj.weight", f"{src}up_proj.weight"), "fc1")
+        yield Rule(dst + "linear_fc2.weight", (f"{src}down_proj.weight",), "dim1")
+        if arch.moe_shared_gate:
+            yield Rule(dst + "gate_weight", (f"{hf}{block}.shared_expert_gate.weight",), "replicated")
     for local, e in enumerate(arch.local_experts):
         src, dst = f"{hf}{block}.experts.{e}.", f"{mc}{LOCAL_EXPERTS}{local}."
         yield Rule(dst + "linear_fc1.weight", (f"{src}{gate}.weight", f"{src}{up}.weight"), "fc1")
@@ -436,6 +446,8 @@ def check_tensor_parallel(arch: ModelArch, tp: int) -> None:
         ("vocab_size", arch.vocab_size),
         ("intermediate_size", arch.ffn_hidden_size),
         *((("moe_intermediate_size", arch.moe_ffn_hidden_size),) if arch.num_experts else ()),
+        *((("shared_expert_intermediate_size", arch.moe_shared_ffn_hidden_size),)
+          if arch.moe_shared_ffn_hidden_size else ()),  # fmt: skip
     ):
         if n % tp:
             raise InvalidRequest(f"tensor_parallel_size {tp} must divide the model's {what} ({n})")

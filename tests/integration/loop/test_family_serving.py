@@ -5,9 +5,9 @@ served greedy answer for the job, after the hot swap, equals `transformers` gree
 trains and publishes for qwen3 and the MoE families (GRPO_FAMILIES): the rest of the dense families' GRPO path is
 their SFT forward (a token's logprob is minus its cross-entropy), which their SFT jobs here and test_family_parity
 check, and the loss itself is family-blind (tests/unit/training/test_grpo.py, test_grpo_padding_free). One
-module-scoped server per family, a few steps per job. Mixture-of-experts families (qwen3-moe, mixtral) train full
-weights only and are served after the same hot swap; their LoRA job is refused at submission with a 400 naming
-adapter_type; their GRPO job takes two steps per batch with routing replay off and on, and reports the
+module-scoped server per family, a few steps per job. Mixture-of-experts families (qwen3-moe, qwen2-moe, mixtral)
+train full weights only and are served after the same hot swap; their LoRA job is refused at submission with a 400
+naming adapter_type; their GRPO job takes two steps per batch with routing replay off and on, and reports the
 changed-routing fraction.
 """
 
@@ -25,8 +25,8 @@ from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS
 pytestmark = pytest.mark.slow
 
 FAMILIES = ["qwen3", "qwen3-yarn", "llama3", "phi3", "smollm3", "mistral", "gemma2", "gemma3", "olmo2", "olmo3",
-            "qwen3-moe", "mixtral"]  # fmt: skip
-MOE = {"qwen3-moe", "mixtral"}  # LoRA refused (no MoE adapter rule yet)
+            "qwen3-moe", "qwen2-moe", "mixtral"]  # fmt: skip
+MOE = {"qwen3-moe", "qwen2-moe", "mixtral"}  # LoRA refused (no MoE adapter rule yet)
 GRPO_FAMILIES = {"qwen3", *MOE}
 PROMPTS = ["What is the capital of France?", "What do bees make?", "What colour is the sky?"]
 FACTS = [{"input": p, "output": o} for p, o in zip(PROMPTS, [" Paris", " honey", " blue"])]
@@ -92,7 +92,7 @@ def test_sft_job_is_served_like_transformers(family_server: tuple[str, str, Path
         from scalarlm.protocol.errors import InvalidRequest
 
         llm = scalarlm.ScalarLM(api_url=url, timeout=600)
-        with pytest.raises(InvalidRequest, match="adapter_type 'lora' is not supported for (qwen3_moe|mixtral)") as e:
+        with pytest.raises(InvalidRequest, match="adapter_type 'lora' is not supported for (qwen[23]_moe|mixtral)") as e:
             llm.train(FACTS, train_args={**TRAIN, "adapter_type": "lora"})
         assert e.value.param == "train_args"
         return

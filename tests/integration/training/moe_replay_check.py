@@ -7,7 +7,8 @@ so that it would choose differently; then one forward without replay and one wit
   RoutingReplay on the pass without replay, and `changed_fraction_replayed` on the replayed pass (the same count);
 * `replay_diff`: max |MoE layer output under replay - the same layer computed in float64 from its input, the moved
   router's logits and the *recorded* experts| (probabilities: softmax over the recorded experts' logits when HF
-  renormalises the top k, else the full softmax taken at them), over every MoE layer;
+  renormalises the top k, else the full softmax taken at them; plus the gated shared expert where there is one), over
+  every MoE layer;
 * `replay_effect`: max |MoE layer output without replay - with replay| (how much the replay changes at all).
 """
 
@@ -31,12 +32,17 @@ def reference(h: torch.Tensor, mlp, experts: torch.Tensor, norm_topk: bool) -> t
         probs = torch.softmax(logits.gather(1, experts), dim=-1)
     else:
         probs = torch.softmax(logits, dim=-1).gather(1, experts)
+    def swiglu(mlp) -> torch.Tensor:
+        gate, up = mlp.linear_fc1.weight.double().chunk(2, dim=0)
+        return (F.silu(h @ gate.t()) * (h @ up.t())) @ mlp.linear_fc2.weight.double().t()
+
     out = torch.zeros_like(h)
     for e, expert in enumerate(mlp.experts.local_experts):
-        gate, up = expert.linear_fc1.weight.double().chunk(2, dim=0)
-        y = (F.silu(h @ gate.t()) * (h @ up.t())) @ expert.linear_fc2.weight.double().t()
         weight = (probs * (experts == e)).sum(dim=1, keepdim=True)
-        out += weight * y
+        out += weight * swiglu(expert)
+    shared = getattr(mlp, "shared_experts", None)  # Qwen2-MoE: a gated shared expert beside the routed ones
+    if shared is not None:
+        out += torch.sigmoid(h @ shared.gate_weight.double().t()) * swiglu(shared)
     return out
 
 

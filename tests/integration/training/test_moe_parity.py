@@ -25,7 +25,8 @@ from trainer_jobs import mpi_env, require_mpirun
 from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS
 
 HERE = Path(__file__).parent
-MOE_MODELS = sorted(name for name, spec in FAMILY_TINY_MODELS.items() if spec["family"] in ("qwen3_moe", "mixtral"))
+MOE_MODELS = sorted(name for name, spec in FAMILY_TINY_MODELS.items() if spec["family"] in ("qwen3_moe", "qwen2_moe",
+                                                                                           "mixtral"))  # fmt: skip
 TOLERANCE = 1e-5  # fp32 against float64 or NumPy
 # fp32 router logits, probabilities, layer outputs and logits (values up to ~7) against transformers': measured
 # <= 5.3e-6; the rounding differs by up to 2x between CPUs (parity.py)
@@ -72,8 +73,8 @@ def results(moe_models: dict[str, Path]):
     return get
 
 
-def test_the_moe_tiny_models_cover_both_families_and_both_routings() -> None:
-    assert MOE_MODELS == ["mixtral", "qwen3-moe", "qwen3-moe-mixed"]
+def test_the_moe_tiny_models_cover_every_moe_family_and_both_routings() -> None:
+    assert MOE_MODELS == ["mixtral", "qwen2-moe", "qwen3-moe", "qwen3-moe-mixed"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -90,7 +90,7 @@ def test_unknown_rope_type_is_named(serve, tiny_model_dir: Path, tmp_path: Path)
     [("GPT2LMHeadModel", ("GPT2LMHeadModel", "not supported")),
      ("GemmaForCausalLM", ("GemmaForCausalLM", "Gemma 1 is not implemented")),
      ("Gemma3ForConditionalGeneration", ("Gemma3ForConditionalGeneration", "vision towers")),
-     ("Qwen2MoeForCausalLM", ("Qwen2MoeForCausalLM", "mixture-of-experts"))],
+     ("PhimoeForCausalLM", ("PhimoeForCausalLM", "mixture-of-experts"))],
 )  # fmt: skip
 def test_unsupported_architecture_is_named(serve, tiny_model_dir: Path, tmp_path: Path, architecture: str,
                                            words: tuple[str, ...]) -> None:  # fmt: skip

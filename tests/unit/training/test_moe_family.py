@@ -1,4 +1,4 @@
-"""The mixture-of-experts families (Qwen3-MoE, Mixtral) without torch: what they read from the config, their
+"""The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral) without torch: what they read from the config, their
 per-expert tensor rules, what they refuse (naming the field), and LoRA refused at submission naming adapter_type."""
 
 from __future__ import annotations
@@ -20,13 +20,17 @@ BASE = {
 }  # fmt: skip
 QWEN3_MOE = {**BASE, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "moe_intermediate_size": 128,
              "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}  # fmt: skip
+QWEN2_MOE = {**BASE, "architectures": ["Qwen2MoeForCausalLM"], "num_experts": 4, "moe_intermediate_size": 128,
+             "shared_expert_intermediate_size": 512, "norm_topk_prob": False}  # fmt: skip
 MIXTRAL = {**BASE, "architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "intermediate_size": 128,
            "router_jitter_noise": 0.0}  # fmt: skip
 
 
 def _shape(config: dict) -> ModelArch:
     """The arch read from `config` with exactly the tensor names its rules map."""
-    first = BY_NAME["qwen3_moe" if "Qwen3" in config["architectures"][0] else "mixtral"].extra(config)
+    family = {"Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe"}.get(config["architectures"][0],
+                                                                                        "mixtral")  # fmt: skip
+    first = BY_NAME[family].extra(config)
     layers = config["num_hidden_layers"]
     probe = ModelArch(family="probe", vocab_size=1, hidden_size=1, num_layers=layers, num_heads=1, num_kv_heads=1,
                       head_dim=1, ffn_hidden_size=1, norm_eps=0.0, rope_theta=0.0, max_position_embeddings=1,
@@ -67,6 +71,21 @@ def test_expert_tensors_map_to_megatron_local_experts() -> None:
         "model.layers.0.block_sparse_moe.experts.1.w2.weight",)  # fmt: skip
 
 
+def test_qwen2_moe_reads_its_gated_shared_expert_and_maps_it_to_megatrons() -> None:
+    arch = _shape(QWEN2_MOE)
+    assert (arch.family, arch.num_experts, arch.moe_ffn_hidden_size, arch.moe_norm_topk) == ("qwen2_moe", 4, 128, False)
+    assert (arch.moe_shared_ffn_hidden_size, arch.moe_shared_gate, arch.qk_layernorm) == (512, True, False)
+    by_mcore = {r.mcore: r for r in rules(arch)}
+    fc1 = by_mcore["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"]
+    assert fc1.hf == ("model.layers.1.mlp.shared_expert.gate_proj.weight",
+                      "model.layers.1.mlp.shared_expert.up_proj.weight") and fc1.kind == "fc1"  # fmt: skip
+    assert by_mcore["decoder.layers.1.mlp.shared_experts.linear_fc2.weight"].kind == "dim1"
+    gate = by_mcore["decoder.layers.1.mlp.shared_experts.gate_weight"]
+    assert gate.hf == ("model.layers.1.mlp.shared_expert_gate.weight",) and gate.kind == "replicated"
+    with pytest.raises(InvalidRequest, match=r"tensor_parallel_size 2 .* shared_expert_intermediate_size \(511\)"):
+        check_tensor_parallel(_shape({**QWEN2_MOE, "shared_expert_intermediate_size": 511}), 2)
+
+
 def test_missing_or_unmapped_expert_tensors_are_refused() -> None:
     names = hf_tensor_names(_shape(QWEN3_MOE))
     with pytest.raises(InvalidRequest, match=r"lacks 1 tensor.*experts\.3\.up_proj"):
@@ -93,7 +112,7 @@ def test_tensor_parallel_must_split_the_experts() -> None:
         check_tensor_parallel(_shape({**QWEN3_MOE, "moe_intermediate_size": 127}), 2)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_lora_on_moe_is_refused_naming_adapter_type(family: str) -> None:
     with pytest.raises(InvalidRequest, match="adapter_type 'lora' is not supported for " + family) as e:
         lora_targets(BY_NAME[family], ["q_proj"])
