@@ -21,13 +21,13 @@ logger = logging.getLogger(__name__)
 
 # `--family` names: the trainer's families (scalarlm.training.families) plus llama3 (Llama with llama3 RoPE).
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "olmo2", "olmo3",
-            "qwen3_moe", "qwen2_moe", "mixtral")  # fmt: skip
+            "qwen3_moe", "qwen2_moe", "mixtral", "granite")  # fmt: skip
 Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "olmo2",
-                 "olmo3", "qwen3_moe", "qwen2_moe", "mixtral"]  # fmt: skip
+                 "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite"]  # fmt: skip
 # Mixture-of-experts tiny models: 4 experts, 2 per token, each expert's intermediate size hidden / 2.
 TINY_EXPERTS, TINY_TOPK = 4, 2
 # Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3, Gemma).
-TIED_BY_DEFAULT = frozenset({"qwen3", "llama3", "smollm3", "gemma2", "gemma3"})
+TIED_BY_DEFAULT = frozenset({"qwen3", "llama3", "smollm3", "gemma2", "gemma3", "granite"})
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<unk>"]
 # vLLM's CPU attention kernels support only these head sizes.
@@ -196,6 +196,12 @@ def _family_config(
                                            decoder_sparse_step=1, mlp_only_layers=[],
                                            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
                                            **common)  # fmt: skip
+    if family == "granite":
+        # Granite 3.3 8B's multipliers (attention 1 / head_dim, embedding 12, residual 0.22, logits / 16).
+        return transformers.GraniteConfig(attention_bias=False, mlp_bias=False, attention_multiplier=1.0 / head_dim,
+                                          embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=16.0,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 10000000.0},
+                                          **common)  # fmt: skip
     if family == "qwen2_moe":
         # Qwen1.5-MoE-A2.7B's fields (plain top-k, q/k/v biases, a shared expert 4x an expert's size), scaled down.
         return transformers.Qwen2MoeConfig(num_experts=TINY_EXPERTS, num_experts_per_tok=TINY_TOPK,
@@ -329,4 +335,5 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
                                               "rope_parameters": YARN_ROPE}),
     "mixtral": dict(family="mixtral", hidden=256, heads=4, kv_heads=2, seed=11),
     "qwen2-moe": dict(family="qwen2_moe", hidden=256, heads=4, kv_heads=2, seed=16),
+    "granite": dict(family="granite", hidden=256, heads=4, kv_heads=2, seed=17),
 }

@@ -1,11 +1,12 @@
 """The layer pieces megatron-core 0.16.1 lacks, applied to a built GPTModel by small ordered functions (torch).
 
-Each is driven by one `ModelArch` field, never by the model type (Gemma 2/3 and OLMo 2/3 are what need them today):
+Each is driven by one `ModelArch` field, never by the model type (Gemma 2/3, OLMo 2/3 and Granite need them today):
 `norm_offset` swaps every RMSNorm for the zero-centred `x_hat * (1 + w)` one computed in fp32; `input_norms` False
 removes the norms before attention and the MLP; `qk_norm_over_projection` normalises q and k over every head at once
 (summing the squares over TP); `sandwich_norms` adds an output norm after attention and after the MLP;
-`embedding_multiplier` scales the embeddings; `local_rope_theta` gives the sliding-window layers their own RoPE base;
-`final_logit_softcap` soft-caps the logits. Parameter names stay megatron's (plus `self_attention.post_norm` /
+`residual_multiplier` scales each block's output before the residual add; `embedding_multiplier` scales the
+embeddings; `logits_divisor` divides the output logits; `local_rope_theta` gives the sliding-window layers their own
+RoPE base; `final_logit_softcap` soft-caps the logits. Parameter names stay megatron's (plus `self_attention.post_norm` /
 `mlp.post_norm`), so the converter's rules name them.
 """
 
@@ -146,6 +147,30 @@ def apply_local_rope(model: nn.Module, arch: ModelArch, per_document_rope) -> No
             layer.self_attention.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+def apply_residual_multiplier(model: nn.Module, arch: ModelArch) -> None:
+    """Attention and MLP outputs scaled by `residual_multiplier` before each residual add (after any output norm)."""
+    scale = arch.residual_multiplier
+
+    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+        out, bias = output
+        return out * scale, bias
+
+    for layer in model.decoder.layers:
+        for module in (layer.self_attention, layer.mlp):
+            module.register_forward_hook(hook)
+
+
+def apply_logits_divisor(model: nn.Module, arch: ModelArch) -> None:
+    """Output logits divided by `logits_divisor` (element-wise: also on a TP rank's vocabulary shard)."""
+    divisor = arch.logits_divisor
+
+    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+        logits, bias = output
+        return logits / divisor, bias
+
+    model.output_layer.register_forward_hook(hook)
+
+
 def apply_final_softcap(model: nn.Module, arch: ModelArch) -> None:
     """Output logits become `cap * tanh(logits / cap)` (element-wise, so also on a TP rank's vocabulary shard), before
     the loss reads them."""
@@ -170,9 +195,13 @@ def adapt(model: nn.Module, arch: ModelArch, dtype: torch.dtype, per_document_ro
         apply_offset_norms(model, arch, dtype)
     if arch.sandwich_norms:
         apply_sandwich_norms(model, arch, dtype)
+    if arch.residual_multiplier is not None:
+        apply_residual_multiplier(model, arch)
     if arch.embedding_multiplier is not None:
         apply_embedding_multiplier(model, arch)
     if arch.local_rope_theta is not None:
         apply_local_rope(model, arch, per_document_rope)
+    if arch.logits_divisor is not None:
+        apply_logits_divisor(model, arch)
     if arch.final_logit_softcap is not None:
         apply_final_softcap(model, arch)

@@ -1,6 +1,7 @@
 """What a model family is, read without torch: its shape (`ModelArch`), its tensor rules, its refusals.
 
-A `Family` is a declaration (one short module each: llama.py, qwen3.py, phi3.py, smollm3.py, gemma.py, olmo.py).
+A `Family` is a declaration (one short module each: llama.py, qwen3.py, phi3.py, smollm3.py, gemma.py, olmo.py,
+granite.py).
 `read_arch` turns an HF `config.json` dict plus the checkpoint's tensor names into a `ModelArch`, or raises
 `InvalidRequest` naming the field or tensor it cannot train exactly as Hugging Face runs it. Nothing here imports
 torch, so the control plane refuses an unsupported model at submission with the same code the trainer runs.
@@ -76,6 +77,8 @@ class ModelArch:
     yarn_rope: tuple[float, float, float, int, float, bool] | None = None
     attn_logit_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
     final_logit_softcap: float | None = None  # output logits -> cap * tanh(logits / cap) (Gemma 2)
+    residual_multiplier: float | None = None  # attention and MLP outputs scaled by it before the residual add (Granite)
+    logits_divisor: float | None = None  # output logits divided by it (Granite's `logits_scaling`)
     # Mixture of experts (0 experts = dense): routed experts per MoE layer, experts per token, each expert's
     # intermediate size, whether the top-k probabilities are renormalised to sum 1 (HF `norm_topk_prob`; Mixtral
     # always), which layers are MoE (empty = every layer) and the HF names (block, router, gate, up, down).

@@ -101,6 +101,7 @@ def test_lora_matches_peft(lora, family_models: dict[str, Path], model: str, tp:
     tolerance = forward_tolerance(r["logit_scale"])  # fp32; Gemma's logits are ~3x larger than Llama's
     assert r["max_diff"] <= tolerance, r
     assert r["base_diff"] <= tolerance, r  # adapters disabled = the base model (the KL reference)
-    assert r["lora_effect"] > 0.1, r  # the adapter really changes the logits
+    # the adapter really changes the logits, far beyond the bound (Granite's logits / 16 move the least: 0.029)
+    assert r["lora_effect"] > 100 * tolerance, r
     if model_arch(family_models[model]).fused_qkv:
         assert r["target_modules"] == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # what vLLM loads

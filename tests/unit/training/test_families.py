@@ -49,7 +49,8 @@ def test_family_modules_import_no_torch() -> None:
 
 def test_registry_names_every_family_once() -> None:
     assert {f.name for f in FAMILY_LIST} == {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2",
-                                            "gemma3", "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral"}
+                                            "gemma3", "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral",
+                                            "granite"}
     assert all(FAMILIES[a] is f for f in FAMILY_LIST for a in f.architectures)
 
 
@@ -213,6 +214,19 @@ def test_olmo_reads_output_norms_projection_wide_qk_norms_windows_and_rope_bases
         arch_of(**OLMO3, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(InvalidRequest, match="attention_bias"):
         arch_of("Olmo2ForCausalLM", attention_bias=True)
+
+
+def test_granite_reads_its_four_multipliers() -> None:
+    arch = arch_of("GraniteForCausalLM", attention_multiplier=0.0078125, embedding_multiplier=12.0,
+                   residual_multiplier=0.22, logits_scaling=16.0)  # fmt: skip
+    assert (arch.softmax_scale, arch.embedding_multiplier, arch.residual_multiplier, arch.logits_divisor) == (
+        0.0078125, 12.0, 0.22, 16.0)  # fmt: skip
+    plain = arch_of("GraniteForCausalLM")  # transformers' defaults: 1.0 each (the attention scale too)
+    assert (plain.softmax_scale, plain.embedding_multiplier, plain.residual_multiplier, plain.logits_divisor) == (
+        1.0, 1.0, 1.0, 1.0)  # fmt: skip
+    assert arch_of().residual_multiplier is None and arch_of().logits_divisor is None  # Llama: none
+    with pytest.raises(InvalidRequest, match="logits_scaling=0: Granite's multipliers must be positive"):
+        arch_of("GraniteForCausalLM", logits_scaling=0)
 
 
 def test_tensor_names_are_strict() -> None:
