@@ -6,8 +6,8 @@ removes the norms before attention and the MLP; `qk_norm_over_projection` normal
 (summing the squares over TP); `sandwich_norms` adds an output norm after attention and after the MLP;
 `residual_multiplier` scales each block's output before the residual add; `embedding_multiplier` scales the
 embeddings; `logits_divisor` divides the output logits; `local_rope_theta` gives the sliding-window layers their own
-RoPE base; `final_logit_softcap` soft-caps the logits. Parameter names stay megatron's (plus `self_attention.post_norm` /
-`mlp.post_norm`), so the converter's rules name them.
+RoPE base; `final_logit_softcap` soft-caps the logits. Parameter names stay megatron's (plus
+`self_attention.post_norm` / `mlp.post_norm`), so the converter's rules name them.
 """
 
 from __future__ import annotations
