@@ -1,10 +1,9 @@
 """What a model family is, read without torch: its shape (`ModelArch`), its tensor rules, its refusals.
 
 A `Family` is a declaration (one short module each: llama.py, qwen3.py, phi3.py, smollm3.py, gemma.py, olmo.py,
-granite.py).
-`read_arch` turns an HF `config.json` dict plus the checkpoint's tensor names into a `ModelArch`, or raises
-`InvalidRequest` naming the field or tensor it cannot train exactly as Hugging Face runs it. Nothing here imports
-torch, so the control plane refuses an unsupported model at submission with the same code the trainer runs.
+granite.py, moe.py). `read_arch` turns an HF `config.json` dict plus the checkpoint's tensor names into a `ModelArch`,
+or raises `InvalidRequest` naming the field or tensor it cannot train exactly as Hugging Face runs it. Nothing here
+imports torch, so the control plane refuses an unsupported model at submission with the same code the trainer runs.
 
 `rules(arch)` lists every megatron parameter and the HF tensors it is made of; `layouts.py` (torch) does the fusing,
 splitting and TP sharding those rules name.
