@@ -19,6 +19,7 @@ import pytest
 from openai import OpenAI
 
 import scalarlm
+from scalarlm.checkpoint.staging import SUPERSEDABLE_FILE
 
 pytestmark = pytest.mark.slow
 
@@ -196,7 +197,9 @@ def test_a_session_step_published_during_requests_is_served_to_the_next_request(
 
 
 def _file_bytes(folder: Path) -> dict[str, bytes]:
-    return {f.name: f.read_bytes() for f in folder.iterdir() if f.is_file() and f.name != "manifest.json"}
+    """The checkpoint's files (not its manifest, nor a staged copy's `supersedable` marker, which never lands)."""
+    skip = ("manifest.json", SUPERSEDABLE_FILE)
+    return {f.name: f.read_bytes() for f in folder.iterdir() if f.is_file() and f.name not in skip}
 
 
 def test_full_weights_are_served_from_the_staged_copy_and_the_same_files_land_durably(
@@ -218,6 +221,7 @@ def test_full_weights_are_served_from_the_staged_copy_and_the_same_files_land_du
             name, path = pointer.read_text().split()
             assert name == f"step-{version}" and Path(path).parent.parent.name.startswith("scalarlm-staging-")
             staged[version] = _file_bytes(Path(path))  # read now: it is removed once landed and superseded
+            assert (Path(path) / SUPERSEDABLE_FILE).exists()  # a session step serves; a newer one may overtake it
             reply = oai.completions.create(model=session.model_name, prompt=prompt, max_tokens=1, temperature=0,
                                            logprobs=1)  # fmt: skip
             assert reply.model_extra["scalarlm_version"] == version
