@@ -52,6 +52,10 @@ def _olmo3_extra(config: dict[str, Any]) -> dict[str, Any]:
         top = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
         yarn = read_yarn(per_type["full_attention"], full_where, int(config.get("max_position_embeddings") or 2048),
                          bool(top.get("truncate", True)))  # fmt: skip
+    if (yarn or local != theta) and "sliding_window" in config and config["sliding_window"] is None:
+        # transformers still rotates the sliding-type layers with their own RoPE; our per-layer RoPE follows windows
+        raise InvalidRequest("sliding_window null with a RoPE that differs per layer type is not supported",
+                             param="model")  # fmt: skip
     return {"rope_theta": theta, "yarn_rope": yarn, "local_rope_theta": local if yarn or local != theta else None}
 
 

@@ -210,6 +210,9 @@ def test_olmo_reads_output_norms_projection_wide_qk_norms_windows_and_rope_bases
         arch_of(**OLMO3, rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 8.0}})
     with pytest.raises(InvalidRequest, match="rope_parameters.sliding_attention.rope_type 'yarn': RoPE scaling on"):
         arch_of(**OLMO3, rope_parameters={"sliding_attention": yarn, "full_attention": {"rope_type": "default"}})
+    with pytest.raises(InvalidRequest, match="sliding_window null with a RoPE that differs per layer type"):
+        arch_of(**{**OLMO3, "sliding_window": None}, rope_theta=5e5, rope_scaling=yarn)
+    assert arch_of(**{**OLMO3, "sliding_window": None}, rope_theta=5e5).windows == ()  # one RoPE: every layer full
     with pytest.raises(InvalidRequest, match=r"rope_scaling.rope_type 'dynamic' is not supported for olmo3"):
         arch_of(**OLMO3, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(InvalidRequest, match="attention_bias"):
