@@ -160,18 +160,18 @@ def grpo_step(trainer: "Trainer", batch: RLBatch) -> dict[str, Any]:
     batch.iteration += 1
     tokens, stats = batch.tokens, batch.stats
     trainer.tokens_seen += tokens
-    loss, clipped, n_tokens, kl_sum, correction, masked, off_policy, changed, compared = (float(x) for x in result.sums)
-    computed = n_tokens
+    sums = dict(zip(STATS, (float(x) for x in result.sums), strict=True))
+    computed = n_tokens = sums["tokens"]
     n_tokens += batch.skipped_loss_tokens  # rows without gradient: in the loss's token count, not computed
     elapsed = time.perf_counter() - start
     metrics = {
         "step": trainer.step,
-        "loss": loss,
+        "loss": sums["loss"],
         "lr": result.lr,
         "grad_norm": result.grad_norm,
         "tokens": tokens,
         "loss_tokens": int(n_tokens),
-        "clip_fraction": clipped / n_tokens if n_tokens else 0.0,
+        "clip_fraction": sums["clipped_tokens"] / n_tokens if n_tokens else 0.0,
         "tokens_per_second": tokens / elapsed if elapsed > 0 else 0.0,
         "step_seconds": elapsed,
         "tokens_seen": trainer.tokens_seen,
@@ -180,14 +180,14 @@ def grpo_step(trainer: "Trainer", batch: RLBatch) -> dict[str, Any]:
         **result.moe,
     }
     if args.kl_coef > 0:
-        metrics["kl"] = kl_sum / n_tokens if n_tokens else 0.0
+        metrics["kl"] = sums["kl_sum"] / n_tokens if n_tokens else 0.0
     if args.vllm_importance_sampling_correction and computed:  # over the tokens computed (rows with a gradient)
-        metrics["importance_sampling_ratio_mean"] = correction / computed
-        metrics["importance_sampling_masked_fraction"] = masked / computed
+        metrics["importance_sampling_ratio_mean"] = sums["correction_sum"] / computed
+        metrics["importance_sampling_masked_fraction"] = sums["correction_masked"] / computed
     if args.off_policy_mask_threshold is not None and computed:
-        metrics["off_policy_masked_fraction"] = off_policy / computed
+        metrics["off_policy_masked_fraction"] = sums["off_policy_masked"] / computed
     if args.num_iterations > 1:
         metrics["batch_step"] = (trainer.step - 1) % args.num_iterations + 1  # which of the batch's steps
-    if compared:
-        metrics["moe_routing_changed_fraction"] = changed / compared
+    if sums["routing_compared"]:
+        metrics["moe_routing_changed_fraction"] = sums["routing_changed"] / sums["routing_compared"]
     return metrics
