@@ -305,6 +305,12 @@ def make_tiny_model(
 
 
 YARN_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 8.0, "original_max_position_embeddings": 128}
+# Phi-4-mini's RoPE: longrope (short factors near 1, long ones growing with the wavelength) over 3/4 of each head, the
+# original context scaled down to 512 (at most the served max_model_len, so vLLM keeps the short factors) and 8x it.
+PHI4_MINI = {"partial_rotary_factor": 0.75, "original_max_position_embeddings": 512,
+             "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                 "short_factor": [1.0 + 0.02 * i for i in range(24)],
+                                 "long_factor": [1.0 + 0.75 * i for i in range(24)]}}  # fmt: skip
 
 # One tiny instance per trainer family (and per variant the trainer treats differently), as the parity tests
 # build them: head size 64 (vLLM's CPU attention) except the 32-wide GQA Llama, 2 KV groups so TP=2 splits them.
@@ -323,6 +329,8 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
                        config_overrides={"rope_parameters": YARN_ROPE}),
     "smollm3": dict(family="smollm3", hidden=256, heads=4, kv_heads=2, seed=5),
     "phi3": dict(family="phi3", hidden=256, heads=4, kv_heads=2, seed=6),
+    "phi4-mini": dict(family="phi3", hidden=256, heads=4, kv_heads=2, seed=18, max_position=4096,
+                      config_overrides=PHI4_MINI),
     "gemma2": dict(family="gemma2", hidden=256, heads=4, kv_heads=2, seed=12),
     "gemma3": dict(family="gemma3", hidden=256, heads=4, kv_heads=2, seed=8),
     "olmo2": dict(family="olmo2", hidden=256, heads=4, kv_heads=2, seed=13),

@@ -79,6 +79,22 @@ def checkpoint_experts(path: str | Path) -> int:
     return int(config.get("num_experts") or config.get("num_local_experts") or 0)
 
 
+def longrope_switch(config: dict, max_model_len: int) -> str | None:
+    """Why served outputs differ from transformers' (and the trainer's) on a `longrope` model (Phi-3.5-mini,
+    Phi-4-mini) whose `max_model_len` passes its original context, or None. vLLM 0.32 then rotates every request with
+    the long factors; transformers and the trainer use the short ones for a sequence up to the original context."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if (params.get("rope_type") or params.get("type")) not in ("longrope", "su"):
+        return None
+    original = config.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+    if not original or max_model_len <= int(original):
+        return None
+    return (f"max_model_len {max_model_len} is past the model's original context ({original}): vLLM serves every "
+            f"request with longrope's long factors, while transformers and the trainer rotate a sequence of up to "
+            f"{original} tokens with the short ones (RL logprobs will differ); set engine.max_model_len to {original} "
+            f"to serve as they do")  # fmt: skip
+
+
 def lora_enabled(settings: Settings, device: Device) -> bool:
     """Whether the engine gets LoRA slots: `engine.enable_lora`, except for a mixture-of-experts model on CPU. vLLM
     0.32.0's LoRA wrapper of the fused-MoE layer runs Triton kernels, which the CPU build lacks: the EngineCore died
@@ -137,6 +153,8 @@ def parse_serve_args(settings: Settings, device: Device | None = None) -> Namesp
 def start_engine(settings: Settings) -> Engine:
     """Build the `AsyncLLM` (call inside the running event loop: vLLM starts its output task there)."""
     args = parse_serve_args(settings)
+    if switch := longrope_switch(checkpoint_config(settings.model) or {}, settings.engine.max_model_len):
+        logger.warning("%s: %s", settings.model, switch)
     engine_args = AsyncEngineArgs.from_cli_args(args)
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     tracker = LoadTracker(max_num_seqs=vllm_config.scheduler_config.max_num_seqs)

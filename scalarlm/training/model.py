@@ -252,10 +252,31 @@ def loss_positions(hidden_states: Tensor, labels: Tensor, loss_mask: Tensor,
                             ).view(rows, length)
 
 
-def _per_document_rope(freqs: Tensor, position_ids: Tensor) -> Tensor:
-    """RoPE angles [S, B, 1, D] at each token's own position ids [B, S] (positions restart per packed document)."""
-    table = freqs[:, 0, 0, :]  # [S_max, D]
-    return table[position_ids.t()].unsqueeze(2)
+def rope_angles(inv_freq: Tensor, position_ids: Tensor, longrope: tuple[Tensor, int] | None = None) -> Tensor:
+    """RoPE angles [S, B, 1, D] (megatron's layout, non-interleaved) at each token's own position id ([B, S];
+    positions restart per packed document), on the ids' device whatever device `inv_freq` is on.
+
+    `longrope`: (the long factors' inverse frequencies, the original context). A token rotates with them when its
+    document is longer than the original context, as transformers picks them for a sequence that long; `inv_freq` then
+    holds the short factors'. A document here is a run of positions going up by one, so a part continuing a shared
+    prefix counts its prefix (the prefix itself belongs to the part right after it: `tinker_ops.datum_units` keeps
+    such units on one side of the original context)."""
+    inv = inv_freq.to(position_ids.device)
+    if longrope is not None:
+        long_inv, original = longrope
+        long = (_run_lengths(position_ids) > original).unsqueeze(-1)
+        inv = torch.where(long, long_inv.to(position_ids.device), inv)
+    freqs = position_ids.unsqueeze(-1).to(inv.dtype) * inv  # [B, S, D / 2]
+    return torch.cat((freqs, freqs), dim=-1).transpose(0, 1).unsqueeze(2)
+
+
+def _run_lengths(position_ids: Tensor) -> Tensor:
+    """Per token [B, S]: the last position + 1 of its run (positions going up by one; each row starts a new one)."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    run = starts.reshape(-1).cumsum(0) - 1
+    last = position_ids.new_zeros(run.numel()).scatter_reduce(0, run, position_ids.reshape(-1), "amax")
+    return (last[run] + 1).view_as(position_ids)
 
 
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):
@@ -308,13 +329,16 @@ def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool 
         layer and cross-entropy run only where `loss_mask` is true when one is given (`loss_positions`)."""
 
         current_position_ids = None  # read by per-layer RoPE (families.modules.apply_local_rope)
+        longrope = None  # (long factors' inverse frequencies, original context) of `longrope` RoPE scaling
 
         def _preprocess(self, input_ids, position_ids, *args, **kwargs):
+            if position_ids is None:  # plain sequences: positions 0..S-1 in every row
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
             self.current_position_ids = position_ids
             out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
-            if out[1] is None or position_ids is None:
+            if out[1] is None:
                 return out
-            return (out[0], _per_document_rope(out[1], position_ids), *out[2:])
+            return (out[0], rope_angles(self.rotary_pos_emb.inv_freq, position_ids, self.longrope), *out[2:])
 
         def _postprocess(self, hidden_states, labels=None, loss_mask=None, mtp_in_postprocess=None, **kwargs):
             if loss_mask is None or labels is None or mtp_in_postprocess or self.config.sequence_parallel:
@@ -338,7 +362,7 @@ def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool 
         parallel_output=parallel_output,
         share_embeddings_and_output_weights=arch.tied_embeddings,
         position_embedding_type="rope",
-        rotary_percent=1.0,
+        rotary_percent=arch.rotary_fraction,
         rotary_base=arch.rope_theta,
     )
     if arch.llama3_rope is not None:
@@ -348,7 +372,11 @@ def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool 
         model.rotary_pos_emb.inv_freq = model.rotary_pos_emb.inv_freq / arch.rope_linear_factor
     if arch.yarn_rope is not None:  # its attention_factor: `SdpaAttention`'s scale (arch.attention_scale_factor)
         model.rotary_pos_emb.inv_freq = yarn_inv_freq(arch)
-    adapt(model, arch, torch.bfloat16 if bf16 else torch.float32, _per_document_rope)
+    if arch.longrope is not None:  # its attention factor: `modules.apply_rope_attention_factor`
+        short, long, original, _ = arch.longrope
+        model.rotary_pos_emb.inv_freq = longrope_inv_freq(arch, short)
+        model.longrope = (longrope_inv_freq(arch, long), original)
+    adapt(model, arch, torch.bfloat16 if bf16 else torch.float32, rope_angles)
     if arch.expert_shard[1] > 1:
         _pad_to_the_group(model, [layer.mlp for layer in model.decoder.layers if arch.is_moe(layer.layer_number - 1)])
     return model
@@ -422,6 +450,14 @@ def yarn_inv_freq(arch: ModelArch) -> Tensor:
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     extrapolation = 1 - ramp
     return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def longrope_inv_freq(arch: ModelArch, factors: tuple[float, ...]) -> Tensor:
+    """RoPE inverse frequencies of `rope_type: longrope` with one set of per-frequency factors (short or long), over
+    the rotated dims, computed as transformers does."""
+    dim = arch.rotary_dim
+    base = arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base)
 
 
 def llama3_inv_freq(arch: ModelArch) -> Tensor:

@@ -77,8 +77,10 @@ def rl_batch(trainer: "Trainer", raw_rows: list[dict[str, Any]]) -> RLBatch:
     every_token = args.trains_balance_loss
     if args.kl_coef == 0 and not every_token:  # nothing but the clipped objective reads a row's tokens
         docs, weights, stats["rows_skipped"], skipped = with_gradient(docs, weights)
-    # Rows with the same prompt compute it once (exact), unless a load-balancing loss counts every row's tokens.
-    share = not every_token
+    # Rows with the same prompt compute it once (exact), unless a load-balancing loss counts every row's tokens, or a
+    # longrope model's row may pass its original context: the prompt would rotate once for rows needing the short and
+    # the long factors (`model.rope_angles`).
+    share = not every_token and not (trainer.arch.longrope and trainer.max_len > trainer.arch.longrope[2])
     split = rank_documents([d.doc for d in docs], par.dp_size, trainer.max_len, share)
     ranks = [[docs[i] for i in r] for r in split]
     stats["prompt_tokens_shared"] = sum(_shared_tokens(r, trainer.max_len) for r in ranks) if share else 0

@@ -89,17 +89,21 @@ def unit_tokens(pairs: list[list[tuple[int, int]]], unit: list[int]) -> int:
     return sum(len(pairs[i]) for i in unit) - (len(unit) - 1) * prefix_length(pairs, unit)
 
 
-def datum_units(pairs: list[list[tuple[int, int]]], budget: int) -> list[list[int]]:
+def datum_units(pairs: list[list[tuple[int, int]]], budget: int, long_after: int | None = None) -> list[list[int]]:
     """Datums that run as one shared-prefix document (`data.Document.parts`): those that start with the same
     (input, target) pairs, e.g. the samples of one prompt, as long as adding one does not save fewer positions and the
-    unit stays within `budget` tokens; each unit's members ascending. Units in order of their first datum."""
+    unit stays within `budget` tokens; each unit's members ascending. Units in order of their first datum.
+
+    `long_after` (a `longrope` model's original context): a unit's datums are all at most that long or all longer,
+    since the shared prefix rotates once, with the short or the long factors (`model.rope_angles`)."""
     units: list[list[int]] = []
+    side = (lambda k: len(pairs[k]) > long_after) if long_after is not None else (lambda k: False)
     for i in sorted(range(len(pairs)), key=lambda k: (pairs[k], k)):
         if units:
             unit = units[-1]
             shared, grown = prefix_length(pairs, unit), prefix_length(pairs, unit + [i])
             saves_no_less = grown >= 1 and len(unit) * grown >= (len(unit) - 1) * shared
-            if saves_no_less and unit_tokens(pairs, unit + [i]) <= budget:
+            if saves_no_less and side(i) == side(unit[0]) and unit_tokens(pairs, unit + [i]) <= budget:
                 unit.append(i)
                 continue
         units.append([i])
@@ -244,7 +248,8 @@ def forward_backward(trainer: "Trainer", request: dict[str, Any], backward: bool
     def units_of(rows: list[int]) -> list[list[int]]:
         if not packed:
             return [[i] for i in rows]
-        return [[rows[k] for k in u] for u in datum_units([pairs[i] for i in rows], budget)]
+        long_after = trainer.arch.longrope[2] if trainer.arch.longrope else None
+        return [[rows[k] for k in u] for u in datum_units([pairs[i] for i in rows], budget, long_after)]
 
     rows = balance_units(units_of(list(range(len(data)))), partial(unit_tokens, pairs), par.dp_size)[par.dp_rank]
     mine: list[tuple[int, float, dict[str, Any]]] = []

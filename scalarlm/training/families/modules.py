@@ -1,17 +1,19 @@
 """The layer pieces megatron-core 0.16.1 lacks, applied to a built GPTModel by small ordered functions (torch).
 
-Each is driven by one `ModelArch` field, never by the model type (Gemma 2/3, OLMo 2/3 and Granite need them today):
+Each is driven by one `ModelArch` field, never by the model type (Gemma 2/3, OLMo 2/3, Granite, Phi need them today):
 `norm_offset` swaps every RMSNorm for the zero-centred `x_hat * (1 + w)` one computed in fp32; `input_norms` False
 removes the norms before attention and the MLP; `qk_norm_over_projection` normalises q and k over every head at once
 (summing the squares over TP); `sandwich_norms` adds an output norm after attention and after the MLP;
 `residual_multiplier` scales each block's output before the residual add; `embedding_multiplier` scales the
 embeddings; `logits_divisor` divides the output logits; `local_rope_theta` gives the sliding-window layers their own
-RoPE base; `final_logit_softcap` soft-caps the logits. Parameter names stay megatron's (plus
-`self_attention.post_norm` / `mlp.post_norm`), so the converter's rules name them.
+RoPE base; `longrope` scales q and k's rotated dims by its attention factor; `final_logit_softcap` soft-caps the
+logits. Parameter names stay megatron's (plus `self_attention.post_norm` / `mlp.post_norm`), so the converter's rules
+name them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -124,27 +126,40 @@ def apply_embedding_multiplier(model: nn.Module, arch: ModelArch) -> None:
     model.embedding.register_forward_hook(hook)
 
 
-def apply_local_rope(model: nn.Module, arch: ModelArch, per_document_rope) -> None:
+def apply_local_rope(model: nn.Module, arch: ModelArch, rope_angles) -> None:
     """Sliding-window layers rotate with RoPE base `local_rope_theta` (global layers keep the model's)."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    model.local_rotary_pos_emb = RotaryEmbedding(
-        kv_channels=arch.head_dim, rotary_percent=1.0, rotary_base=arch.local_rope_theta, use_cpu_initialization=True
-    )
+    local = RotaryEmbedding(kv_channels=arch.head_dim, rotary_percent=arch.rotary_fraction,
+                            rotary_base=arch.local_rope_theta, use_cpu_initialization=True)  # fmt: skip
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if kwargs.get("rotary_pos_emb") is None:
             return args, kwargs
-        positions = model.current_position_ids
-        if positions is None:  # plain sequences: positions 0..S-1 in every row
-            hidden = args[0]
-            positions = torch.arange(hidden.shape[0], device=hidden.device).expand(hidden.shape[1], -1)
-        table = model.local_rotary_pos_emb(int(positions.max()) + 1)
-        return args, {**kwargs, "rotary_pos_emb": per_document_rope(table, positions)}
+        return args, {**kwargs, "rotary_pos_emb": rope_angles(local.inv_freq, model.current_position_ids)}
 
     for i, layer in enumerate(model.decoder.layers):
         if arch.uses_local_rope(i):
             layer.self_attention.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def apply_rope_attention_factor(model: nn.Module, arch: ModelArch) -> None:
+    """`longrope`'s attention factor: transformers scales cos and sin by it, which scales the rotated dims of q and k
+    (RoPE is linear), so they are scaled as the projection hands them over (after any q/k norm, before RoPE). With
+    partial RoPE the passed-through dims keep their scale, so this is not a softmax scale."""
+    scale = torch.ones(arch.head_dim)
+    scale[: arch.rotary_dim] = arch.longrope[3]  # type: ignore[index]
+
+    for layer in model.decoder.layers:
+        attention = layer.self_attention
+        inner = attention.get_query_key_value_tensors
+
+        def scaled(*args: Any, inner: Callable = inner, **kwargs: Any) -> tuple:
+            query, key, *rest = inner(*args, **kwargs)
+            by = scale.to(query.device, query.dtype)
+            return (query * by, key * by, *rest)
+
+        attention.get_query_key_value_tensors = scaled
 
 
 def apply_residual_multiplier(model: nn.Module, arch: ModelArch) -> None:
@@ -183,7 +198,7 @@ def apply_final_softcap(model: nn.Module, arch: ModelArch) -> None:
     model.output_layer.register_forward_hook(hook)
 
 
-def adapt(model: nn.Module, arch: ModelArch, dtype: torch.dtype, per_document_rope) -> None:
+def adapt(model: nn.Module, arch: ModelArch, dtype: torch.dtype, rope_angles) -> None:
     """Apply what `arch` needs beyond megatron's local layer spec, in order."""
     if not arch.input_norms:
         if not arch.sandwich_norms:
@@ -200,7 +215,9 @@ def adapt(model: nn.Module, arch: ModelArch, dtype: torch.dtype, per_document_ro
     if arch.embedding_multiplier is not None:
         apply_embedding_multiplier(model, arch)
     if arch.local_rope_theta is not None:
-        apply_local_rope(model, arch, per_document_rope)
+        apply_local_rope(model, arch, rope_angles)
+    if arch.longrope is not None:
+        apply_rope_attention_factor(model, arch)
     if arch.logits_divisor is not None:
         apply_logits_divisor(model, arch)
     if arch.final_logit_softcap is not None:

@@ -2,7 +2,8 @@
 
 `layouts.py` regroups qkv_proj per KV group for megatron's `linear_qkv`; gate_up_proj already is `linear_fc1`.
 LoRA targets the fused modules (`qkv_proj`, `gate_up_proj`), as vLLM loads Phi-3 adapters. `longrope` scaling
-(Phi-3.5, Phi-4-mini, the 128k Phi-3 models) and partial RoPE are refused until implemented.
+(Phi-3.5-mini, Phi-4-mini, the 128k Phi-3 models) and partial RoPE (Phi-4-mini rotates 3/4 of each head) are read by
+`spec.read_longrope` and applied by `model.rope_angles`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from scalarlm.training.families.spec import Family, every_layer_window
 PHI3 = Family(
     name="phi3",
     architectures=("Phi3ForCausalLM",),
+    rope_types=frozenset({"default", "longrope"}),
+    partial_rotary=True,
     fused_qkv=True,
     fused_gate_up=True,
     windows=every_layer_window,
-    notes="fused qkv_proj / gate_up_proj; longrope refused",
+    notes="fused qkv_proj / gate_up_proj; longrope and partial RoPE",
 )

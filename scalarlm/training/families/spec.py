@@ -74,6 +74,11 @@ class ModelArch:
     # `yarn` RoPE scaling, as transformers computes it (of every layer but those with a `local_rope_theta`): factor,
     # beta_fast, beta_slow, original_max_position_embeddings, attention_factor (cos and sin scaled by it), truncate.
     yarn_rope: tuple[float, float, float, int, float, bool] | None = None
+    # `longrope` RoPE scaling (Phi-3.5, Phi-4-mini): per-frequency short and long factors, the original context (a
+    # document longer than it rotates with the long ones, as transformers picks them for a sequence that long) and the
+    # attention factor (transformers scales cos and sin by it: the rotated dims of q and k).
+    longrope: tuple[tuple[float, ...], tuple[float, ...], int, float] | None = None
+    rotary_fraction: float = 1.0  # of each head's dims, the leading ones RoPE rotates (HF `partial_rotary_factor`)
     attn_logit_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
     final_logit_softcap: float | None = None  # output logits -> cap * tanh(logits / cap) (Gemma 2)
     residual_multiplier: float | None = None  # attention and MLP outputs scaled by it before the residual add (Granite)
@@ -117,6 +122,11 @@ class ModelArch:
     def uses_rope(self, layer: int) -> bool:
         return self.rope_layers[layer] if self.rope_layers else True
 
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each head RoPE rotates (the rest pass through)."""
+        return int(self.head_dim * self.rotary_fraction)
+
     def uses_local_rope(self, layer: int) -> bool:
         """Whether 0-based `layer` rotates with the sliding layers' own RoPE (`local_rope_theta`, unscaled) instead of
         the model's."""
@@ -137,6 +147,7 @@ class Family:
     name: str
     architectures: tuple[str, ...]
     rope_types: frozenset[str] = frozenset({"default"})
+    partial_rotary: bool = False  # accepts `partial_rotary_factor` < 1 (transformers rotates the leading dims)
     qk_layernorm: bool = False
     qk_norm_over_projection: bool = False
     fused_qkv: bool = False
@@ -186,24 +197,29 @@ def rope_parameters(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
 
 
 def _read_rope(config: dict[str, Any], family: Family) -> dict[str, Any]:
-    """The ModelArch fields of the config's RoPE: `rope_theta`, and `llama3_rope` or `yarn_rope` when scaled."""
+    """The ModelArch fields of the config's RoPE: `rope_theta`, `rotary_fraction` when partial, and `llama3_rope`,
+    `yarn_rope` or `longrope` when scaled."""
     params, where = rope_parameters(config)
     rope_type = params.get("rope_type") or "default"
+    if rope_type in ("su", "yarn") and "longrope" in family.rope_types and rope_type not in family.rope_types:
+        rope_type = "longrope"  # transformers' Phi3Config reads both as longrope (the first 128k checkpoints say "su")
     if rope_type not in family.rope_types:
         raise InvalidRequest(
             f"{where}.rope_type {rope_type!r} is not supported for {family.name} "
             f"(supported: {sorted(family.rope_types)})",
             param="model",
         )
-    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
-    if partial is not None and float(partial) != 1.0:
-        raise InvalidRequest(f"partial_rotary_factor {partial} (partial RoPE) is not supported yet", param="model")
     theta = float(params.get("rope_theta") or _value(config, "rope_theta", 10000.0))
+    out: dict[str, Any] = {"rope_theta": theta, **_rotary_fraction(config, params, family)}
+    max_position = int(_value(config, "max_position_embeddings", 4096))
     if rope_type == "yarn":
-        max_position = int(_value(config, "max_position_embeddings", 4096))
-        return {"rope_theta": theta, "yarn_rope": read_yarn(params, where, max_position, params.get("truncate", True))}
+        return {**out, "yarn_rope": read_yarn(params, where, max_position, params.get("truncate", True))}
+    if rope_type == "longrope":
+        head_dim = int(_value(config, "head_dim", int(config["hidden_size"]) // int(config["num_attention_heads"])))
+        rotary_dim = int(head_dim * out.get("rotary_fraction", 1.0))
+        return {**out, "longrope": read_longrope(config, params, where, max_position, rotary_dim)}
     if rope_type != "llama3":
-        return {"rope_theta": theta}
+        return out
     try:
         llama3 = (
             float(params["factor"]),
@@ -213,7 +229,54 @@ def _read_rope(config: dict[str, Any], family: Family) -> dict[str, Any]:
         )
     except KeyError as e:
         raise InvalidRequest(f"{where} of rope_type 'llama3' lacks {e.args[0]!r}", param="model") from None
-    return {"rope_theta": theta, "llama3_rope": llama3}
+    return {**out, "llama3_rope": llama3}
+
+
+def _rotary_fraction(config: dict[str, Any], params: dict[str, Any], family: Family) -> dict[str, float]:
+    """`{"rotary_fraction": f}` for a `partial_rotary_factor` f < 1 the family accepts (none for 1)."""
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if partial is None or float(partial) == 1.0:
+        return {}
+    if not family.partial_rotary:
+        raise InvalidRequest(f"partial_rotary_factor {partial} (partial RoPE) is not supported for {family.name}",
+                             param="model")  # fmt: skip
+    if not 0.0 < float(partial) < 1.0:
+        raise InvalidRequest(f"partial_rotary_factor {partial} must be in (0, 1]", param="model")
+    return {"rotary_fraction": float(partial)}
+
+
+def _longrope_attention(factor: float, original: int) -> float:
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def read_longrope(config: dict[str, Any], params: dict[str, Any], where: str, max_position_embeddings: int,
+                  rotary_dim: int) -> tuple[tuple[float, ...], tuple[float, ...], int, float]:  # fmt: skip
+    """`longrope` parameters as transformers reads them (`_compute_longrope_parameters`): the original context from the
+    config's top level first (Phi-3 keeps it there), the attention factor from `attention_factor` or from the factor
+    (max_position_embeddings / original when absent). vLLM 0.32 computes its own from the context lengths, or takes
+    `short_mscale` / `long_mscale` (transformers ignores those): a config on which the two differ is refused, since
+    the trained and the served model would not match."""
+    original = config.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+    original = int(original or max_position_embeddings)
+    factors = []
+    for name in ("short_factor", "long_factor"):
+        values = params.get(name)
+        if not isinstance(values, list) or len(values) != rotary_dim // 2:
+            raise InvalidRequest(f"{where}.{name} must be a list of {rotary_dim // 2} numbers (one per rotary "
+                                 f"frequency)", param="model")  # fmt: skip
+        factors.append(tuple(float(v) for v in values))
+    factor = float(params.get("factor") or max_position_embeddings / original)
+    attention = params.get("attention_factor")
+    attention = _longrope_attention(factor, original) if attention is None else float(attention)
+    served = _longrope_attention(max_position_embeddings / original, original)
+    for name in ("short_mscale", "long_mscale"):
+        vllm = served if params.get(name) is None else float(params[name])
+        if not math.isclose(vllm, attention, rel_tol=1e-6):
+            raise InvalidRequest(f"{where}: longrope's attention factor is {attention:.6g} in transformers (from "
+                                 f"attention_factor or factor) but {vllm:.6g} in vLLM (from {name} or "
+                                 f"max_position_embeddings / original_max_position_embeddings)",
+                                 param="model")  # fmt: skip
+    return factors[0], factors[1], original, attention
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -131,7 +131,7 @@ def _stand_in(model, tokenizer, aux_loss_coef: float = 0.0) -> SimpleNamespace:
 
     model.no_sync = contextlib.nullcontext  # what forward_backward calls on the DDP wrapper (one rank: no sync)
     return SimpleNamespace(ddp=model, par=SimpleNamespace(device=torch.device("cpu"), dp_rank=0, dp_size=1),
-                           arch=SimpleNamespace(vocab_size=len(tokenizer)), max_len=16,
+                           arch=SimpleNamespace(vocab_size=len(tokenizer), longrope=None), max_len=16,
                            args=TrainArgs(moe_aux_loss_coef=aux_loss_coef))  # fmt: skip
 
 

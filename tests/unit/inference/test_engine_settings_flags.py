@@ -67,3 +67,19 @@ def test_tool_call_and_reasoning_parsers_reach_vllm_and_unknown_ones_are_refused
     for setting, value in (("tool_call_parser", "nope"), ("reasoning_parser", "qwen9")):
         with pytest.raises(ValueError, match=f"engine.{setting} '{value}' is not one of vLLM's: .*hermes|qwen3"):
             parse_serve_args(Settings(model=str(tmp_path), home=tmp_path, engine={setting: value}), "cpu")
+
+
+def test_a_longrope_model_served_past_its_original_context_is_warned_about() -> None:
+    """vLLM 0.32 picks longrope's long factors for every request once max_model_len passes the original context
+    (Phi-4-mini: 4096); transformers and the trainer keep the short ones up to it. The worker logs why, and the fix."""
+    from scalarlm.inference.engine import longrope_switch
+
+    phi4 = {"original_max_position_embeddings": 4096, "rope_scaling": {"type": "longrope", "short_factor": [1.0]}}
+    message = longrope_switch(phi4, 8192)
+    assert message is not None and "set engine.max_model_len to 4096" in message and "long factors" in message
+    assert longrope_switch(phi4, 4096) is None
+    phi35 = {"rope_parameters": {"rope_type": "longrope", "original_max_position_embeddings": 4096}}
+    assert longrope_switch(phi35, 4097) is not None
+    yarn = {"rope_parameters": {"rope_type": "yarn", "original_max_position_embeddings": 64}}
+    assert longrope_switch(yarn, 512) is None
+    assert longrope_switch({}, 512) is None

@@ -82,10 +82,47 @@ def test_yarn_rope_is_read_as_transformers_reads_it(architecture: str) -> None:
     assert arch_of(architecture).attention_scale_factor(0) == 1.0
 
 
+def _longrope(**changes) -> dict:
+    return {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 24, "long_factor": [4.0] * 24,
+            **changes}
+
+
+def test_phi3_longrope_and_partial_rope_are_read_as_transformers_reads_them() -> None:
+    # Phi-4-mini's shape: 3/4 of each head rotates, the original context at the top level, 8x it in all.
+    config = {"max_position_embeddings": 4096, "original_max_position_embeddings": 512, "partial_rotary_factor": 0.75}
+    arch = arch_of("Phi3ForCausalLM", **config, rope_scaling=_longrope(type="longrope"))
+    assert (arch.rotary_fraction, arch.rotary_dim) == (0.75, 48)
+    short, long, original, attention = arch.longrope
+    assert (short, long, original) == ((1.0,) * 24, (4.0,) * 24, 512)
+    assert attention == pytest.approx(math.sqrt(1 + math.log(8) / math.log(512)), rel=1e-12)
+    assert arch.attention_scale_factor(0) == 1.0  # on the rotated dims only (modules.apply_rope_attention_factor)
+    for alias in ("su", "yarn"):  # transformers' Phi3Config reads both as longrope
+        assert arch_of("Phi3ForCausalLM", **config, rope_scaling=_longrope(type=alias)).longrope == arch.longrope
+    # Phi-3.5-mini: longrope over the whole head (32 frequencies), the original context inside the RoPE parameters.
+    whole = arch_of("Phi3ForCausalLM", max_position_embeddings=4096, rope_parameters=_longrope(
+        short_factor=[1.0] * 32, long_factor=[2.0] * 32, original_max_position_embeddings=4096))
+    assert (whole.rotary_dim, whole.longrope[2:]) == (64, (4096, 1.0))
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [({"long_factor": [4.0] * 32}, "long_factor must be a list of 24 numbers"),
+     ({"short_factor": None}, "short_factor must be a list of 24 numbers"),
+     ({"attention_factor": 1.5}, "attention factor is 1.5 in transformers .* but 1.1547 in vLLM"),
+     ({"factor": 4.0}, "attention factor is 1.10554 in transformers"),
+     ({"short_mscale": 1.0}, "but 1 in vLLM .from short_mscale"),
+     ({"partial_rotary_factor": 1.5}, "partial_rotary_factor 1.5 must be in")],
+)  # fmt: skip
+def test_longrope_that_would_not_match_transformers_or_vllm_is_refused(changes: dict, message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message):
+        arch_of("Phi3ForCausalLM", max_position_embeddings=4096, original_max_position_embeddings=512,
+                rope_parameters=_longrope(**{"partial_rotary_factor": 0.75, **changes}))  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("architecture", "rope_type"),
     [("MistralForCausalLM", "yarn"), ("LlamaForCausalLM", "dynamic"), ("Qwen3ForCausalLM", "llama3"),
-     ("Phi3ForCausalLM", "longrope"), ("Phi3ForCausalLM", "su")],
+     ("Phi3ForCausalLM", "dynamic"), ("Qwen3ForCausalLM", "longrope")],
 )  # fmt: skip
 def test_unknown_rope_types_are_refused_naming_the_field(architecture: str, rope_type: str) -> None:
     with pytest.raises(InvalidRequest, match=rf"rope_parameters.rope_type '{rope_type}' is not supported"):
@@ -97,7 +134,7 @@ def test_unknown_rope_types_are_refused_naming_the_field(architecture: str, rope
     [({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act"), ({"mlp_bias": True}, "mlp_bias"),
      ({"attention_bias": True}, "attention_bias"), ({"resid_pdrop": 0.1}, "resid_pdrop"),
      ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
-      "partial_rotary_factor")],
+      "partial_rotary_factor 0.75 .partial RoPE. is not supported for llama")],
 )  # fmt: skip
 def test_fields_that_change_the_maths_are_refused_by_name(changes: dict, field: str) -> None:
     with pytest.raises(InvalidRequest, match=field):

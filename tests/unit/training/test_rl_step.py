@@ -22,13 +22,14 @@ def _rows() -> list[dict]:
     return rows
 
 
-def _trainer(tiny_model_dir: Path, kl_coef: float, aux_loss_coef: float) -> SimpleNamespace:
+def _trainer(tiny_model_dir: Path, kl_coef: float, aux_loss_coef: float, longrope: tuple | None = None
+             ) -> SimpleNamespace:  # fmt: skip
     from transformers import AutoTokenizer
 
     args = TrainArgs(loss="grpo", kl_coef=kl_coef, moe_aux_loss_coef=aux_loss_coef, batch_size=1)
     par = SimpleNamespace(dp_size=1, dp_rank=0, ep_size=1)
     return SimpleNamespace(args=args, par=par, tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir),
-                           max_len=MAX_LEN, pad_id=0, routing=None)  # fmt: skip
+                           max_len=MAX_LEN, pad_id=0, routing=None, arch=SimpleNamespace(longrope=longrope))  # fmt: skip
 
 
 def _computed(batch) -> int:
@@ -59,3 +60,12 @@ def test_a_trained_balance_loss_computes_every_row_and_every_prompt(tiny_model_d
     assert batch.stats["rows_skipped"] == 0 and batch.stats["prompt_tokens_shared"] == 0, batch.stats
     assert batch.skipped_loss_tokens == 0
     assert _computed(batch) == batch.tokens
+
+
+@pytest.mark.parametrize(("original", "shares"), [(MAX_LEN, True), (MAX_LEN - 1, False)])
+def test_a_longrope_model_shares_prompts_only_when_no_row_can_pass_its_original_context(
+        tiny_model_dir: Path, original: int, shares: bool) -> None:  # fmt: skip
+    """A shared prompt rotates once: with a row that may be longer than the original context (long factors) beside
+    one that is not (short factors) it could not be right for both, so the step then computes each row's prompt."""
+    trainer = _trainer(tiny_model_dir, 0.1, aux_loss_coef=0.0, longrope=((), (), original, 1.0))
+    assert (rl_batch(trainer, _rows()).stats["prompt_tokens_shared"] > 0) is shares

@@ -33,3 +33,13 @@ def test_identical_and_one_token_datums_and_the_budget() -> None:
     group = _pairs(*([1, 2, 3, 4, 5, k] for k in range(10, 16)))
     units = datum_units(group, budget=4 + 2)  # the 4 shared positions and two datums' own one each
     assert units == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_a_longrope_models_units_stay_on_one_side_of_its_original_context() -> None:
+    """The shared prefix rotates once: with the short factors when its datums are at most the original context long,
+    the long ones when they are all longer. A datum on the other side runs as its own document."""
+    pairs = _pairs([1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 3, 4, 7, 8, 9], [1, 2, 3, 4, 7, 8, 10])  # 4, 4, 6, 6 long
+    assert datum_units(pairs, budget=100) == [[0, 1, 2, 3]]
+    assert datum_units(pairs, budget=100, long_after=5) == [[0, 1], [2, 3]]
+    batch, _ = _packed_batch(pairs, [[0, 1], [2, 3]])
+    assert batch.position_ids[0].tolist() == [0, 1, 2, 3, 3] + [0, 1, 2, 3, 4, 5, 5]  # each part right after its prefix
