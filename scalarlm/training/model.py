@@ -88,6 +88,7 @@ def transformer_config(arch: ModelArch, tp: int, bf16: bool, recompute: bool = F
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
+        rotary_interleaved=arch.rotary_interleaved,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         recompute_granularity="full" if recompute else None,
@@ -252,9 +253,11 @@ def loss_positions(hidden_states: Tensor, labels: Tensor, loss_mask: Tensor,
                             ).view(rows, length)
 
 
-def rope_angles(inv_freq: Tensor, position_ids: Tensor, longrope: tuple[Tensor, int] | None = None) -> Tensor:
-    """RoPE angles [S, B, 1, D] (megatron's layout, non-interleaved) at each token's own position id ([B, S];
-    positions restart per packed document), on the ids' device whatever device `inv_freq` is on.
+def rope_angles(inv_freq: Tensor, position_ids: Tensor, longrope: tuple[Tensor, int] | None = None,
+                interleaved: bool = False) -> Tensor:  # fmt: skip
+    """RoPE angles [S, B, 1, D] in megatron's layout (each frequency for the two halves, or for adjacent pairs when
+    `interleaved`) at each token's own position id ([B, S]; positions restart per packed document), on the ids'
+    device whatever device `inv_freq` is on.
 
     `longrope`: (the long factors' inverse frequencies, the original context). A token rotates with them when its
     document is longer than the original context, as transformers picks them for a sequence that long; `inv_freq` then
@@ -267,7 +270,8 @@ def rope_angles(inv_freq: Tensor, position_ids: Tensor, longrope: tuple[Tensor, 
         long = (_run_lengths(position_ids) > original).unsqueeze(-1)
         inv = torch.where(long, long_inv.to(position_ids.device), inv)
     freqs = position_ids.unsqueeze(-1).to(inv.dtype) * inv  # [B, S, D / 2]
-    return torch.cat((freqs, freqs), dim=-1).transpose(0, 1).unsqueeze(2)
+    angles = torch.stack((freqs, freqs), dim=-1).flatten(-2) if interleaved else torch.cat((freqs, freqs), dim=-1)
+    return angles.transpose(0, 1).unsqueeze(2)
 
 
 def _run_lengths(position_ids: Tensor) -> Tensor:
@@ -338,7 +342,8 @@ def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool 
             out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
             if out[1] is None:
                 return out
-            return (out[0], rope_angles(self.rotary_pos_emb.inv_freq, position_ids, self.longrope), *out[2:])
+            angles = rope_angles(self.rotary_pos_emb.inv_freq, position_ids, self.longrope, self.config.rotary_interleaved)
+            return (out[0], angles, *out[2:])
 
         def _postprocess(self, hidden_states, labels=None, loss_mask=None, mtp_in_postprocess=None, **kwargs):
             if loss_mask is None or labels is None or mtp_in_postprocess or self.config.sequence_parallel:

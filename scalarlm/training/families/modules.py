@@ -136,7 +136,8 @@ def apply_local_rope(model: nn.Module, arch: ModelArch, rope_angles) -> None:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if kwargs.get("rotary_pos_emb") is None:
             return args, kwargs
-        return args, {**kwargs, "rotary_pos_emb": rope_angles(local.inv_freq, model.current_position_ids)}
+        angles = rope_angles(local.inv_freq, model.current_position_ids, interleaved=arch.rotary_interleaved)
+        return args, {**kwargs, "rotary_pos_emb": angles}
 
     for i, layer in enumerate(model.decoder.layers):
         if arch.uses_local_rope(i):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.protocol.training import ALL_LINEAR
 
 Kind = Literal["replicated", "dim0", "dim1", "qkv", "fc1"]
 ROPE_FIELD = "rope_parameters.rope_type"
@@ -33,6 +34,9 @@ class Rule:
     mcore: str
     hf: tuple[str, ...]
     kind: Kind
+
+
+SANDWICH_NORM_NAMES = ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,9 @@ class ModelArch:
     # attention factor (transformers scales cos and sin by it: the rotated dims of q and k).
     longrope: tuple[tuple[float, ...], tuple[float, ...], int, float] | None = None
     rotary_fraction: float = 1.0  # of each head's dims, the leading ones RoPE rotates (HF `partial_rotary_factor`)
+    rotary_interleaved: bool = False  # RoPE rotates adjacent pairs of dims (GLM, GPT-J style), not the two halves
+    # HF names of the `sandwich_norms`: attention's output norm, the pre-MLP norm, the MLP's output norm.
+    norm_names: tuple[str, str, str] = SANDWICH_NORM_NAMES
     attn_logit_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
     final_logit_softcap: float | None = None  # output logits -> cap * tanh(logits / cap) (Gemma 2)
     residual_multiplier: float | None = None  # attention and MLP outputs scaled by it before the residual add (Granite)
@@ -147,7 +154,10 @@ class Family:
     name: str
     architectures: tuple[str, ...]
     rope_types: frozenset[str] = frozenset({"default"})
-    partial_rotary: bool = False  # accepts `partial_rotary_factor` < 1 (transformers rotates the leading dims)
+    # accepts `partial_rotary_factor` < 1 (transformers rotates the leading dims): the factor when a config has none
+    partial_rotary: float | None = None
+    rotary_interleaved: bool = False
+    norm_names: tuple[str, str, str] = SANDWICH_NORM_NAMES
     qk_layernorm: bool = False
     qk_norm_over_projection: bool = False
     fused_qkv: bool = False
@@ -162,6 +172,9 @@ class Family:
     sandwich_norms: bool = False
     input_norms: bool = True
     lora_refusal: str | None = None  # why LoRA is not supported for this family (None: it is)
+    # HF modules an adapter may not target on this family, and why (vLLM cannot load it there); the default targets
+    # (`all-linear`) leave them out, naming one is refused.
+    lora_unservable: tuple[tuple[str, ...], str] = ((), "")
     notes: str = ""
 
     @property
@@ -169,7 +182,7 @@ class Family:
         """The HF module names (PEFT `target_modules`, what vLLM loads) this family's adapters may target."""
         attn = ("qkv_proj",) if self.fused_qkv else ("q_proj", "k_proj", "v_proj")
         mlp = ("gate_up_proj",) if self.fused_gate_up else ("gate_proj", "up_proj")
-        return (*attn, "o_proj", *mlp, "down_proj")
+        return tuple(m for m in (*attn, "o_proj", *mlp, "down_proj") if m not in self.lora_unservable[0])
 
 
 @dataclass(frozen=True)
@@ -234,10 +247,10 @@ def _read_rope(config: dict[str, Any], family: Family) -> dict[str, Any]:
 
 def _rotary_fraction(config: dict[str, Any], params: dict[str, Any], family: Family) -> dict[str, float]:
     """`{"rotary_fraction": f}` for a `partial_rotary_factor` f < 1 the family accepts (none for 1)."""
-    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", family.partial_rotary))
     if partial is None or float(partial) == 1.0:
         return {}
-    if not family.partial_rotary:
+    if family.partial_rotary is None:
         raise InvalidRequest(f"partial_rotary_factor {partial} (partial RoPE) is not supported for {family.name}",
                              param="model")  # fmt: skip
     if not 0.0 < float(partial) < 1.0:
@@ -316,11 +329,12 @@ def _activation(config: dict[str, Any], family: Family) -> str:
     return ACTIVATIONS[act]
 
 
-def _refuse_common(config: dict[str, Any]) -> None:
-    """Fields that change the maths of a Llama-shaped decoder in ways the trainer does not implement."""
+def _refuse_common(config: dict[str, Any], qkv_bias: bool) -> None:
+    """Fields that change the maths of a Llama-shaped decoder in ways the trainer does not implement (`qkv_bias`: the
+    family's `attention_bias` means q/k/v biases only, read from the tensor names)."""
     if config.get("mlp_bias"):
         raise InvalidRequest("mlp_bias=true (biases on the MLP) is not supported", param="model")
-    if config.get("attention_bias"):
+    if config.get("attention_bias") and not qkv_bias:
         raise InvalidRequest(
             "attention_bias=true (biases on q/k/v and the attention output) is not supported", param="model"
         )
@@ -343,7 +357,7 @@ def read_arch(config: dict[str, Any], tensor_names: Iterable[str], families: dic
             f"supported: {sorted(families)}",
             param="model",
         )
-    _refuse_common(config)
+    _refuse_common(config, family.qkv_bias_from_weights)
     family.refuse(config)
     activation = _activation(config, family)
     names = set(tensor_names)
@@ -376,6 +390,8 @@ def read_arch(config: dict[str, Any], tensor_names: Iterable[str], families: dic
         activation=activation,
         sandwich_norms=family.sandwich_norms,
         input_norms=family.input_norms,
+        rotary_interleaved=family.rotary_interleaved,
+        norm_names=family.norm_names,
         **rope,
         **extra,
     )
@@ -406,11 +422,12 @@ def rules(arch: ModelArch) -> Iterator[Rule]:
             yield Rule(mc + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), kind)
             yield Rule(mc + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), kind)
         yield Rule(mc + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "dim1")
-        if arch.sandwich_norms:  # HF's post_attention_layernorm is an output norm here, not the pre-MLP norm
-            yield Rule(mc + "self_attention.post_norm.weight", (hf + "post_attention_layernorm.weight",), "replicated")
+        if arch.sandwich_norms:  # Gemma's and OLMo's post_attention_layernorm is an output norm, not the pre-MLP one
+            attention_out, pre_mlp, mlp_out = arch.norm_names
+            yield Rule(mc + "self_attention.post_norm.weight", (f"{hf}{attention_out}.weight",), "replicated")
             if arch.input_norms:
-                yield Rule(mc + "pre_mlp_layernorm.weight", (hf + "pre_feedforward_layernorm.weight",), "replicated")
-            yield Rule(mc + "mlp.post_norm.weight", (hf + "post_feedforward_layernorm.weight",), "replicated")
+                yield Rule(mc + "pre_mlp_layernorm.weight", (f"{hf}{pre_mlp}.weight",), "replicated")
+            yield Rule(mc + "mlp.post_norm.weight", (f"{hf}{mlp_out}.weight",), "replicated")
         else:
             yield Rule(mc + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), "replicated")
         if arch.is_moe(i):
@@ -533,6 +550,13 @@ def lora_targets(family: Family, target_modules: Iterable[str]) -> list[str]:
                              "use adapter_type 'full'", param="train_args")  # fmt: skip
     allowed = family.lora_targets
     requested = set(target_modules)
+    unservable, why = family.lora_unservable
+    if requested == set(ALL_LINEAR):  # the default: every module an adapter of this family can be served on
+        requested -= {part for fused in unservable for part in (fused, *_FUSED_HF.get(fused, ()))}
+    for fused in unservable:
+        if named := sorted(requested & {fused, *_FUSED_HF.get(fused, ())}):
+            raise InvalidRequest(f"lora_config.target_modules {named}: not supported for {family.name}: {why}",
+                                 param="train_args")  # fmt: skip
     for fused, parts in _FUSED_HF.items():
         if fused in allowed and requested & set(parts):
             if not requested >= set(parts):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.protocol.training import ALL_LINEAR
 from scalarlm.training.families import BY_NAME, FAMILIES, FAMILY_LIST, hf_tensor_names, read_arch
 from scalarlm.training.families.spec import ModelArch, lora_targets, rules
 
@@ -37,7 +38,8 @@ def _names_for(config: dict) -> list[str]:
                       max_position_embeddings=1, tied_embeddings=tied, qk_layernorm=family.qk_layernorm,
                       fused_qkv=family.fused_qkv, fused_gate_up=family.fused_gate_up,
                       sandwich_norms=family.sandwich_norms, input_norms=family.input_norms,
-                      qk_norm_over_projection=family.qk_norm_over_projection)  # fmt: skip
+                      qk_norm_over_projection=family.qk_norm_over_projection, norm_names=family.norm_names,
+                      qkv_bias=family.qkv_bias_from_weights and bool(config.get("attention_bias")))  # fmt: skip
     return hf_tensor_names(shape)
 
 
@@ -50,7 +52,7 @@ def test_family_modules_import_no_torch() -> None:
 def test_registry_names_every_family_once() -> None:
     assert {f.name for f in FAMILY_LIST} == {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2",
                                             "gemma3", "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral",
-                                            "granite"}
+                                            "granite", "glm4"}
     assert all(FAMILIES[a] is f for f in FAMILY_LIST for a in f.architectures)
 
 
@@ -267,6 +269,25 @@ def test_granite_reads_its_four_multipliers() -> None:
     assert arch_of().residual_multiplier is None and arch_of().logits_divisor is None  # Llama: none
     with pytest.raises(InvalidRequest, match="logits_scaling=0: Granite's multipliers must be positive"):
         arch_of("GraniteForCausalLM", logits_scaling=0)
+
+
+def test_glm4_reads_half_interleaved_rope_qkv_biases_and_its_output_norm_names() -> None:
+    arch = arch_of("Glm4ForCausalLM", attention_bias=True)  # no partial_rotary_factor: 0.5, as transformers assumes
+    assert (arch.rotary_fraction, arch.rotary_dim, arch.rotary_interleaved, arch.qkv_bias) == (0.5, 32, True, True)
+    assert arch_of("Glm4ForCausalLM", partial_rotary_factor=0.25).rotary_dim == 16
+    names = {rule.hf[0]: rule.mcore for rule in rules(arch)}
+    assert names["model.layers.0.post_self_attn_layernorm.weight"] == "decoder.layers.0.self_attention.post_norm.weight"
+    assert names["model.layers.0.post_attention_layernorm.weight"] == "decoder.layers.0.pre_mlp_layernorm.weight"
+    assert names["model.layers.0.post_mlp_layernorm.weight"] == "decoder.layers.0.mlp.post_norm.weight"
+    assert "model.layers.0.self_attn.o_proj.bias" not in {n for rule in rules(arch) for n in rule.hf}
+    # LoRA: vLLM 0.32 loads a GLM-4 adapter's MLP input only as gate_proj / up_proj, which GLM-4 fuses: left out.
+    glm4 = BY_NAME["glm4"]
+    assert lora_targets(glm4, ALL_LINEAR) == ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]
+    for named in (["gate_up_proj"], ["q_proj", "up_proj"]):
+        with pytest.raises(InvalidRequest, match=r"target_modules \['(gate_up|up)_proj'\]: not supported for glm4: vLLM"):
+            lora_targets(glm4, named)
+    with pytest.raises(InvalidRequest, match="attention_bias"):  # Llama's attention_bias biases o_proj too
+        arch_of("LlamaForCausalLM", attention_bias=True)
 
 
 def test_tensor_names_are_strict() -> None:
