@@ -342,8 +342,8 @@ def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool 
             out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
             if out[1] is None:
                 return out
-            angles = rope_angles(self.rotary_pos_emb.inv_freq, position_ids, self.longrope, self.config.rotary_interleaved)
-            return (out[0], angles, *out[2:])
+            inv_freq, interleaved = self.rotary_pos_emb.inv_freq, self.config.rotary_interleaved
+            return (out[0], rope_angles(inv_freq, position_ids, self.longrope, interleaved), *out[2:])
 
         def _postprocess(self, hidden_states, labels=None, loss_mask=None, mtp_in_postprocess=None, **kwargs):
             if loss_mask is None or labels is None or mtp_in_postprocess or self.config.sequence_parallel:
