@@ -28,8 +28,8 @@ def _trainer(tiny_model_dir: Path, kl_coef: float, aux_loss_coef: float, longrop
 
     args = TrainArgs(loss="grpo", kl_coef=kl_coef, moe_aux_loss_coef=aux_loss_coef, batch_size=1)
     par = SimpleNamespace(dp_size=1, dp_rank=0, ep_size=1)
-    return SimpleNamespace(args=args, par=par, tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir),
-                           max_len=MAX_LEN, pad_id=0, routing=None, arch=SimpleNamespace(longrope=longrope))  # fmt: skip
+    return SimpleNamespace(args=args, par=par, tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir), max_len=MAX_LEN,
+                           pad_id=0, routing=None, arch=SimpleNamespace(longrope=longrope))  # fmt: skip
 
 
 def _computed(batch) -> int:
