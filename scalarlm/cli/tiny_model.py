@@ -21,9 +21,9 @@ logger = logging.getLogger(__name__)
 
 # `--family` names: the trainer's families (scalarlm.training.families) plus llama3 (Llama with llama3 RoPE).
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "olmo2", "olmo3",
-            "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm4")  # fmt: skip
+            "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4")  # fmt: skip
 Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "olmo2",
-                 "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm4"]  # fmt: skip
+                 "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4"]  # fmt: skip
 # Mixture-of-experts tiny models: 4 experts, 2 per token, each expert's intermediate size hidden / 2.
 TINY_EXPERTS, TINY_TOPK = 4, 2
 # Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3, Gemma).
@@ -175,6 +175,9 @@ def _family_config(
         return transformers.Gemma3TextConfig(head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=8,
                                              layer_types=types, rope_parameters=rope, attention_bias=False,
                                              hidden_activation="gelu_pytorch_tanh", **common)  # fmt: skip
+    if family == "glm":
+        # glm-4-9b-chat-hf's fields: GLM-4-0414's without its output norms.
+        return transformers.GlmConfig(head_dim=head_dim, attention_bias=True, partial_rotary_factor=0.5, **common)
     if family == "glm4":
         # GLM-4-0414's fields: RoPE on half of each head, adjacent pairs rotated; q/k/v biases; output norms.
         return transformers.Glm4Config(head_dim=head_dim, attention_bias=True, partial_rotary_factor=0.5,
@@ -348,5 +351,6 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
     "mixtral": dict(family="mixtral", hidden=256, heads=4, kv_heads=2, seed=11),
     "qwen2-moe": dict(family="qwen2_moe", hidden=256, heads=4, kv_heads=2, seed=16),
     "granite": dict(family="granite", hidden=256, heads=4, kv_heads=2, seed=17),
+    "glm": dict(family="glm", hidden=256, heads=4, kv_heads=2, seed=20),
     "glm4": dict(family="glm4", hidden=256, heads=4, kv_heads=2, seed=19),
 }

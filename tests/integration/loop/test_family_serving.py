@@ -25,7 +25,7 @@ from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS
 pytestmark = pytest.mark.slow
 
 FAMILIES = ["qwen3", "qwen3-yarn", "llama3", "phi3", "phi4-mini", "smollm3", "mistral", "gemma2", "gemma3", "olmo2",
-            "olmo3", "granite", "glm4", "qwen3-moe", "qwen2-moe", "mixtral"]  # fmt: skip
+            "olmo3", "granite", "glm", "glm4", "qwen3-moe", "qwen2-moe", "mixtral"]  # fmt: skip
 MOE = {"qwen3-moe", "qwen2-moe", "mixtral"}  # LoRA refused (no MoE adapter rule yet)
 GRPO_FAMILIES = {"qwen3", *MOE}
 PROMPTS = ["What is the capital of France?", "What do bees make?", "What colour is the sky?"]
