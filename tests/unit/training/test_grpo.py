@@ -150,17 +150,24 @@ def test_sequence_level_ratio_matches_numpy(eps_high: float | None) -> None:
     assert stats["clipped_tokens"].item() == ((ratio * a > np.clip(ratio, 1 - eps, 1 + high) * a) * m).sum() > 0
 
 
-def test_sequence_level_packed_gives_the_padded_loss_and_gradients() -> None:
+@pytest.mark.parametrize(("objective", "sampled"), [
+    (GSPO, False),  # GSPO's sequence ratio
+    (Objective(0.2, correction="sequence_truncate", correction_bounds=(0.5, 1.1), sequence_level=True), True),
+])  # fmt: skip
+def test_sequence_level_packed_gives_the_padded_loss_and_gradients(objective: Objective, sampled: bool) -> None:
     """The completions of a padding-free row (one [1, T] row, segments apart) get the loss and the gradient of the
-    padded [rows, T] layout, where each row is its own sequence."""
+    padded [rows, T] layout, where each row is its own sequence: each sums its log ratios (GSPO's ratio, or a
+    sequence-level sampler correction against the `sampled` logprobs) over its own segment."""
     logp, old, ref, adv, mask, has_old = _fixed_batch()
     w = (1.0 / (mask.sum(1) * 3))[:, None].expand(3, 6)
+    first = logp + 0.2 * torch.linspace(-1, 1, 6) if sampled else None
     padded_logp = logp.clone().requires_grad_(True)
-    padded, _ = grpo_objective(padded_logp, old, has_old, adv, w, mask, GSPO, segments=_segments(mask))
+    padded, _ = grpo_objective(padded_logp, old, has_old, adv, w, mask, objective, None, first, _segments(mask))
     padded.backward()
     packed_logp = logp.reshape(1, 18).clone().requires_grad_(True)
-    packed, _ = grpo_objective(packed_logp, *(t.reshape(1, 18) for t in (old, has_old, adv, w, mask)), GSPO,
-                               segments=_segments(mask).reshape(1, 18))  # fmt: skip
+    packed, _ = grpo_objective(packed_logp, *(t.reshape(1, 18) for t in (old, has_old, adv, w, mask)), objective,
+                               None, None if first is None else first.reshape(1, 18),
+                               _segments(mask).reshape(1, 18))  # fmt: skip
     packed.backward()
     assert packed.item() == pytest.approx(padded.item(), rel=1e-6)
     torch.testing.assert_close(packed_logp.grad.reshape(3, 6), padded_logp.grad, rtol=1e-6, atol=1e-9)
@@ -294,23 +301,6 @@ def test_sampler_correction_weighs_each_token_as_trls_vllm_importance_sampling(m
         assert stats["correction_masked"].item() == 0 and ((weight == high) * m).sum() > 0  # and truncates some
     off, _ = grpo_objective(logp, old, has_old, adv, w, mask, Objective(0.2, kl_coef=0.05), ref)
     assert abs(off.item() - want) > 1e-4  # without the correction the ratio compares with the sampler
-
-
-def test_sequence_level_sampler_correction_packed_gives_the_padded_loss_and_gradients() -> None:
-    """A sequence-level correction sums each completion's log ratios over its own segment in a padding-free row."""
-    logp, old, ref, adv, mask, has_old = _fixed_batch()
-    w = (1.0 / (mask.sum(1) * 3))[:, None].expand(3, 6)
-    objective = Objective(0.2, correction="sequence_truncate", correction_bounds=(0.5, 1.1), sequence_level=True)
-    first = logp + 0.2 * torch.linspace(-1, 1, 6)
-    padded_logp = logp.clone().requires_grad_(True)
-    padded, _ = grpo_objective(padded_logp, old, has_old, adv, w, mask, objective, None, first, _segments(mask))
-    padded.backward()
-    packed_logp = logp.reshape(1, 18).clone().requires_grad_(True)
-    packed, _ = grpo_objective(packed_logp, *(t.reshape(1, 18) for t in (old, has_old, adv, w, mask)), objective,
-                               None, first.reshape(1, 18), _segments(mask).reshape(1, 18))  # fmt: skip
-    packed.backward()
-    assert packed.item() == pytest.approx(padded.item(), rel=1e-6)
-    torch.testing.assert_close(packed_logp.grad.reshape(3, 6), padded_logp.grad, rtol=1e-6, atol=1e-9)
 
 
 def test_policy_settings_a_loss_does_not_read_are_refused_and_a_stored_config_reads_back() -> None:
