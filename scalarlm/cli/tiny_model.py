@@ -326,6 +326,11 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
     "llama3": dict(family="llama3", hidden=256, heads=4, kv_heads=2, seed=2),
     "mistral": dict(family="mistral", hidden=256, heads=4, kv_heads=2, seed=3),
     "qwen2-tied": dict(family="qwen2", hidden=128, heads=2, kv_heads=2, tie_embeddings=True),
+    # yarn on Llama and Qwen2 (Qwen2.5's long-context setting), read by the same code as Qwen3's.
+    "llama-yarn": dict(family="llama", hidden=256, heads=4, kv_heads=2, seed=21,
+                       config_overrides={"rope_parameters": {**YARN_ROPE, "rope_theta": 500000.0}}),
+    "qwen2-yarn": dict(family="qwen2", hidden=256, heads=4, kv_heads=2, seed=22,
+                       config_overrides={"rope_parameters": YARN_ROPE}),
     "qwen3": dict(family="qwen3", hidden=256, heads=4, kv_heads=2, seed=4),
     # Sliding window on the layers from max_window_layers on, full attention below (per-layer, as transformers).
     "qwen3-sliding": dict(family="qwen3", hidden=256, heads=4, kv_heads=2, seed=7,
