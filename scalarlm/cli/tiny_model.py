@@ -21,9 +21,9 @@ logger = logging.getLogger(__name__)
 
 # `--family` names: the trainer's families (scalarlm.training.families) plus llama3 (Llama with llama3 RoPE).
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "olmo2", "olmo3",
-            "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4")  # fmt: skip
+            "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe")  # fmt: skip
 Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "olmo2",
-                 "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4"]  # fmt: skip
+                 "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe"]  # fmt: skip
 # Mixture-of-experts tiny models: 4 experts, 2 per token, each expert's intermediate size hidden / 2.
 TINY_EXPERTS, TINY_TOPK = 4, 2
 # Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3, Gemma).
@@ -178,6 +178,15 @@ def _family_config(
     if family == "glm":
         # glm-4-9b-chat-hf's fields: GLM-4-0414's without its output norms.
         return transformers.GlmConfig(head_dim=head_dim, attention_bias=True, partial_rotary_factor=0.5, **common)
+    if family == "glm4_moe":
+        # GLM-4.5's fields (a dense first layer, sigmoid routing scaled by routed_scaling_factor, one shared expert),
+        # with DeepSeek-V3's group-limited routing (2 groups of 2 experts, the best group kept) so it is exercised.
+        return transformers.Glm4MoeConfig(head_dim=head_dim, attention_bias=True, partial_rotary_factor=0.5,
+                                          n_routed_experts=TINY_EXPERTS, num_experts_per_tok=TINY_TOPK,
+                                          moe_intermediate_size=hidden // 2, n_shared_experts=1,
+                                          first_k_dense_replace=1, n_group=2, topk_group=1,
+                                          routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=False,
+                                          **common)  # fmt: skip
     if family == "glm4":
         # GLM-4-0414's fields: RoPE on half of each head, adjacent pairs rotated; q/k/v biases; output norms.
         return transformers.Glm4Config(head_dim=head_dim, attention_bias=True, partial_rotary_factor=0.5,
@@ -250,6 +259,9 @@ def _randomize(model, seed: int) -> None:
                 param.copy_(1.0 + 0.1 * noise)
             else:
                 param.copy_(INIT_STD * noise)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # sigmoid routing's fixed expert bias: moves some choices
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen, dtype=torch.float32))
 
 
 def make_tiny_model(
@@ -355,6 +367,7 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
                                               "rope_parameters": YARN_ROPE}),
     "mixtral": dict(family="mixtral", hidden=256, heads=4, kv_heads=2, seed=11),
     "qwen2-moe": dict(family="qwen2_moe", hidden=256, heads=4, kv_heads=2, seed=16),
+    "glm4-moe": dict(family="glm4_moe", hidden=256, heads=4, kv_heads=2, layers=3, seed=23),
     "granite": dict(family="granite", hidden=256, heads=4, kv_heads=2, seed=17),
     "glm": dict(family="glm", hidden=256, heads=4, kv_heads=2, seed=20),
     "glm4": dict(family="glm4", hidden=256, heads=4, kv_heads=2, seed=19),

@@ -76,7 +76,7 @@ def checkpoint_config(path: str | Path) -> dict | None:
 def checkpoint_experts(path: str | Path) -> int:
     """How many experts a local checkpoint's layers have (0: a dense model, or no readable config)."""
     config = checkpoint_config(path) or {}
-    return int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    return int(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0)
 
 
 def longrope_switch(config: dict, max_model_len: int) -> str | None:

@@ -114,8 +114,13 @@ def _moe_config(arch: ModelArch, aux_loss_coef: float) -> dict:
         "moe_ffn_hidden_size": arch.moe_ffn_hidden_size,
         "moe_shared_expert_intermediate_size": arch.moe_shared_ffn_hidden_size or None,
         "moe_shared_expert_gate": arch.moe_shared_gate,
-        "moe_router_pre_softmax": not arch.moe_norm_topk,
-        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not arch.moe_norm_topk and not arch.moe_sigmoid,
+        "moe_router_score_function": "sigmoid" if arch.moe_sigmoid else "softmax",
+        "moe_router_enable_expert_bias": arch.moe_sigmoid,
+        "moe_router_bias_update_rate": 0.0,  # HF's bias is fixed in training (no aux-loss-free balancing update)
+        "moe_router_num_groups": arch.moe_groups[0] if arch.moe_groups[0] > 1 else None,
+        "moe_router_group_topk": arch.moe_groups[1] if arch.moe_groups[0] > 1 else None,
+        "moe_router_topk_scaling_factor": arch.moe_scaling,
         "moe_router_dtype": "fp32",
         "moe_router_load_balancing_type": "aux_loss" if aux_loss_coef > 0 else "none",
         "moe_aux_loss_coeff": aux_loss_coef,
@@ -382,9 +387,26 @@ def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool 
         model.rotary_pos_emb.inv_freq = longrope_inv_freq(arch, short)
         model.longrope = (longrope_inv_freq(arch, long), original)
     adapt(model, arch, torch.bfloat16 if bf16 else torch.float32, rope_angles)
+    if arch.moe_sigmoid:
+        _expert_bias_as_parameters(model)
     if arch.expert_shard[1] > 1:
         _pad_to_the_group(model, [layer.mlp for layer in model.decoder.layers if arch.is_moe(layer.layer_number - 1)])
     return model
+
+
+def _expert_bias_as_parameters(model: torch.nn.Module) -> None:
+    """megatron keeps a router's `expert_bias` as a buffer; the checkpoint holds it (HF's `e_score_correction_bias`),
+    so it becomes a frozen fp32 parameter: loading, export and resume read and write it as every other weight.
+    Nothing moves it, as in transformers: the router no longer counts tokens per expert (megatron-core 0.16.1's count
+    fails under a padding mask: it ands a [T, E] map with a [T] mask) and `finalize_model_grads` no longer updates
+    it (the config flag is off once the routers hold their bias; routing reads `router.expert_bias` either way)."""
+    for layer in model.decoder.layers:
+        router = getattr(layer.mlp, "router", None)
+        if router is not None and router.expert_bias is not None:
+            bias = router._buffers.pop("expert_bias")
+            router.expert_bias = torch.nn.Parameter(bias.float(), requires_grad=False)
+            router.enable_expert_bias = False
+    model.config.moe_router_enable_expert_bias = False
 
 
 def _pad_to_the_group(model: torch.nn.Module, moes: list[torch.nn.Module]) -> None:

@@ -7,6 +7,9 @@ experts and top k (megatron's `switch_load_balancing_loss_func`):
     f_i = (tokens whose top k of the softmax include expert i) / (T k),   P_i = mean over the tokens of softmax_i
     load_balancing_loss = E * sum_i f_i P_i          (1.0 when the experts are used evenly)
 
+with a sigmoid router (GLM-4.5) the sigmoid scores normalised to sum 1 in place of the softmax, as megatron's
+`compute_routing_scores_for_aux_loss` (no expert bias, no groups).
+
 The objective adds `coef` x the sum over MoE layers of that loss, each micro-batch weighted by its share of the
 step's tokens on every DP rank (`aux_loss_scale`). That is megatron's per-layer convention: HF's
 `router_aux_loss_coef` computes one loss over all layers together, so the same coefficient weighs it about
@@ -30,11 +33,15 @@ def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [layer.mlp.router for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
 
 
-def load_balancing_loss(logits: Tensor, topk: int, valid: Tensor | None = None) -> Tensor:
+def load_balancing_loss(logits: Tensor, topk: int, valid: Tensor | None = None, sigmoid: bool = False) -> Tensor:
     """megatron's switch load-balancing loss of one layer's router logits [N, E] over the `valid` tokens."""
     if valid is not None:
         logits = logits[valid]
-    scores = torch.softmax(logits.float(), dim=-1)
+    if sigmoid:
+        scores = torch.sigmoid(logits.float())
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        scores = torch.softmax(logits.float(), dim=-1)
     chosen = torch.zeros_like(scores).scatter(1, torch.topk(scores, k=topk, dim=1).indices, 1.0)
     tokens, experts = scores.shape
     f = chosen.sum(0) / (tokens * topk)
@@ -77,7 +84,8 @@ class BalanceMeter:
                 if router.config.sequence_parallel:  # this rank routes its share of the tokens: measure them all
                     flat, valid = _gathered(flat, valid, router.tp_cp_group)
                 tokens = flat.shape[0] if valid is None else int(valid.sum())
-                self.layer_sum += float(load_balancing_loss(flat, router.topk, valid)) * tokens
+                sigmoid = router.score_function == "sigmoid"
+                self.layer_sum += float(load_balancing_loss(flat, router.topk, valid, sigmoid)) * tokens
                 self._micro_tokens = tokens
             return inner(logits, padding_mask=padding_mask)
 

@@ -82,6 +82,39 @@ def _mixtral(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _glm4_moe(config: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5's experts: dense layers below `first_k_dense_replace`, sigmoid routing with the fixed expert bias,
+    group-limited top k and `routed_scaling_factor`, an ungated shared expert (`n_shared_experts` x the expert
+    size)."""
+    if config.get("use_qk_norm"):
+        raise InvalidRequest("use_qk_norm=true (q/k norms) is not supported for glm4_moe yet", param="model")
+    if config.get("norm_topk_prob") is False:
+        raise InvalidRequest("norm_topk_prob=false with sigmoid routing is not supported (megatron renormalises the "
+                             "chosen scores)", param="model")  # fmt: skip
+    experts, topk = int(config.get("n_routed_experts") or 0), int(config.get("num_experts_per_tok") or 0)
+    if experts < 1 or not 1 <= topk <= experts:
+        raise InvalidRequest(f"n_routed_experts={experts} with num_experts_per_tok={topk} is not a top-k mixture of "
+                             "experts", param="model")  # fmt: skip
+    groups, kept = int(config.get("n_group") or 1), int(config.get("topk_group") or 1)
+    if groups > 1 and (experts % groups or not 1 <= kept <= groups or topk // kept != 2):
+        # transformers ranks a group by its top 2 scores, megatron by its top (k / groups kept)
+        raise InvalidRequest(f"n_group={groups}, topk_group={kept} with num_experts_per_tok={topk}: group-limited "
+                             "routing needs n_group to divide the experts and num_experts_per_tok / topk_group = 2",
+                             param="model")  # fmt: skip
+    layers, dense = int(config["num_hidden_layers"]), int(config.get("first_k_dense_replace", 1) or 0)
+    size = int(config["moe_intermediate_size"])
+    return {
+        "num_experts": experts, "moe_topk": topk, "moe_norm_topk": True, "moe_ffn_hidden_size": size,
+        "moe_layers": () if dense == 0 else tuple(i >= dense for i in range(layers)),
+        "expert_names": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
+        "moe_shared_ffn_hidden_size": size * int(config.get("n_shared_experts") or 0),
+        "moe_shared_name": "shared_experts",
+        "moe_sigmoid": True, "moe_groups": (groups, kept),
+        "moe_scaling": float(config.get("routed_scaling_factor") or 1.0),
+        "mtp_layers": int(config.get("num_nextn_predict_layers") or config.get("num_mtp_layers") or 0),
+    }  # fmt: skip
+
+
 QWEN3_MOE = Family(
     name="qwen3_moe",
     architectures=("Qwen3MoeForCausalLM",),
@@ -102,6 +135,16 @@ QWEN2_MOE = Family(
     extra=_qwen2_moe,
     lora_refusal=LORA_REFUSAL,
     notes="Qwen2 attention (q/k/v biases) + top-k MoE with a sigmoid-gated shared expert",
+)
+
+GLM4_MOE = Family(
+    name="glm4_moe",
+    architectures=("Glm4MoeForCausalLM",),
+    partial_rotary=0.5,
+    qkv_bias_from_weights=True,
+    extra=_glm4_moe,
+    lora_refusal=LORA_REFUSAL,
+    notes="GLM-4.5: partial RoPE, q/k/v biases, sigmoid-routed MoE with a fixed expert bias and a shared expert",
 )
 
 MIXTRAL = Family(

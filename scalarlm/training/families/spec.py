@@ -96,11 +96,20 @@ class ModelArch:
     num_experts: int = 0
     moe_topk: int = 0
     moe_ffn_hidden_size: int = 0
-    # Shared experts (Qwen2-MoE): one SwiGLU MLP of this size beside the routed experts on every MoE layer, its output
-    # scaled by sigmoid(shared_expert_gate(x)) when `moe_shared_gate` (0: none). HF names: shared_expert(_gate).
+    # Shared experts (Qwen2-MoE, GLM-4.5): one SwiGLU MLP of this size beside the routed experts on every MoE layer,
+    # its output scaled by sigmoid(shared_expert_gate(x)) when `moe_shared_gate` (0: none). HF names: shared_expert
+    # (Qwen2-MoE, with shared_expert_gate) or shared_experts (GLM-4.5): `moe_shared_name`.
     moe_shared_ffn_hidden_size: int = 0
     moe_shared_gate: bool = False
+    moe_shared_name: str = "shared_expert"
     moe_norm_topk: bool = True
+    # Sigmoid routing (GLM-4.5): the top k of sigmoid(logits) + a fixed per-expert bias (HF `e_score_correction_bias`,
+    # megatron's `expert_bias`, not trained) among the best `moe_groups[1]` of `moe_groups[0]` expert groups; the
+    # chosen sigmoid scores renormalised, times `moe_scaling` (HF `routed_scaling_factor`).
+    moe_sigmoid: bool = False
+    moe_groups: tuple[int, int] = (1, 1)
+    moe_scaling: float | None = None
+    mtp_layers: int = 0  # multi-token-prediction layers after the last one in the checkpoint (not trained: skipped)
     moe_layers: tuple[bool, ...] = ()
     expert_names: tuple[str, str, str, str, str] = ()
     # Expert parallelism: (this rank's index, ranks) in the expert-parallel group. Rank r holds experts
@@ -449,8 +458,10 @@ def _expert_rules(arch: ModelArch, hf: str, mc: str) -> Iterator[Rule]:
     experts of `arch.expert_shard`'s rank, numbered locally."""
     block, router, gate, up, down = arch.expert_names
     yield Rule(mc + "mlp.router.weight", (f"{hf}{block}.{router}.weight",), "replicated")
+    if arch.moe_sigmoid:
+        yield Rule(mc + "mlp.router.expert_bias", (f"{hf}{block}.{router}.e_score_correction_bias",), "replicated")
     if arch.moe_shared_ffn_hidden_size:
-        src, dst = f"{hf}{block}.shared_expert.", f"{mc}mlp.shared_experts."
+        src, dst = f"{hf}{block}.{arch.moe_shared_name}.", f"{mc}mlp.shared_experts."
         yield Rule(dst + "linear_fc1.weight", (f"{src}gate_proj.weight", f"{src}up_proj.weight"), "fc1")
         yield Rule(dst + "linear_fc2.weight", (f"{src}down_proj.weight",), "dim1")
         if arch.moe_shared_gate:
@@ -468,8 +479,11 @@ def hf_tensor_names(arch: ModelArch) -> list[str]:
 
 def tolerated(arch: ModelArch, name: str) -> bool:
     """HF tensors no rule maps that are still safe to skip: derived RoPE buffers, a tied model's saved lm_head
-    (the converter checks it equals the embedding)."""
-    return name.endswith(IGNORED_SUFFIXES) or (arch.tied_embeddings and name == "lm_head.weight")
+    (the converter checks it equals the embedding), the multi-token-prediction layers after the last one (GLM-4.5's
+    `num_nextn_predict_layers`: transformers does not load them; a published checkpoint has none)."""
+    mtp = tuple(f"model.layers.{i}." for i in range(arch.num_layers, arch.num_layers + arch.mtp_layers))
+    return name.endswith(IGNORED_SUFFIXES) or (arch.tied_embeddings and name == "lm_head.weight") or \
+        bool(mtp and name.startswith(mtp))  # fmt: skip
 
 
 def check_tensor_names(arch: ModelArch, names: set[str]) -> None:

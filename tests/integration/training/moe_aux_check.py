@@ -2,8 +2,8 @@
 
 For each mixture-of-experts HF model directory, on one random batch [1, 40] in training mode, prints one JSON line:
 * `metric`: `moe_balance.BalanceMeter`'s load-balancing loss (the value a step's metrics report);
-* `numpy`: the same loss computed in NumPy from transformers' own router logits (`output_router_logits`), per
-  MoE layer `E * sum_i f_i P_i` and the mean over layers;
+* `numpy`: the same loss computed in NumPy from transformers' own router logits (each sparse block's `gate`), per
+  MoE layer `E * sum_i f_i P_i` and the mean over layers (a sigmoid router's scores normalised to sum 1);
 * `grad_diff`: max |grad| difference between megatron's aux loss (`moe_aux_loss_coef` = COEF, weighted by
   `aux_loss_scale`) and autograd of the explicit objective `ce_sum / T + COEF * sum over layers of the loss`;
 * `aux_grad`: max |grad| difference that the aux loss makes (how far it moves the router's gradient at all).
@@ -22,11 +22,15 @@ COEF = 0.05
 SEQ = 40
 
 
-def numpy_balance(router_logits: list[np.ndarray], topk: int) -> float:
+def numpy_balance(router_logits: list[np.ndarray], topk: int, sigmoid: bool) -> float:
     losses = []
     for logits in router_logits:
-        z = logits - logits.max(axis=1, keepdims=True)
-        scores = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
+        if sigmoid:  # megatron's aux-loss scores of a sigmoid router: normalised to sum 1
+            scores = 1 / (1 + np.exp(-logits.astype(np.float64)))
+            scores = scores / scores.sum(axis=1, keepdims=True)
+        else:
+            z = logits - logits.max(axis=1, keepdims=True)
+            scores = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
         chosen = np.zeros_like(scores)
         np.put_along_axis(chosen, np.argsort(-scores, axis=1)[:, :topk], 1.0, axis=1)
         tokens, experts = scores.shape
@@ -71,26 +75,30 @@ def check(model_dir: Path) -> dict:
 
         router.gating = record
     ce_plain = plain(ids, positions, causal, labels=labels)
-    aux = sum(load_balancing_loss(x.reshape(-1, x.shape[-1]), arch.moe_topk) for x in logits)
+    aux = sum(load_balancing_loss(x.reshape(-1, x.shape[-1]), arch.moe_topk, sigmoid=arch.moe_sigmoid) for x in logits)
     (ce_plain.sum() / SEQ + COEF * aux).backward()
     no_aux = loaded_model(model_dir, arch)
     (no_aux(ids, positions, causal, labels=labels).sum() / SEQ).backward()
 
     def grads(model):
-        return {n: p.grad for n, p in model.named_parameters()}
+        return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}  # (not a sigmoid router's bias)
 
     a, b, c = grads(with_aux), grads(plain), grads(no_aux)
     grad_diff = max((a[n] - b[n]).abs().max().item() for n in a)
     aux_grad = max((a[n] - c[n]).abs().max().item() for n in a)
 
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = ref(ids, output_router_logits=True)
     sparse = [i for i in range(arch.num_layers) if arch.is_moe(i)]
-    hf_logits = [out.router_logits[j].float().numpy() for j in range(len(out.router_logits))]
+    hf_logits: list[np.ndarray] = []  # each sparse block's router (`gate`) logits, the first of what it returns
+    hooks = [ref.model.layers[i].mlp.gate.register_forward_hook(
+        lambda m, a, out: hf_logits.append(out[0].float().numpy())) for i in sparse]  # fmt: skip
+    with torch.no_grad():
+        ref(ids)
+    for hook in hooks:
+        hook.remove()
     assert len(hf_logits) == len(sparse), (len(hf_logits), sparse)
-    return {"model": model_dir.name, "metric": metric_sum / tokens, "tokens": tokens,
-            "numpy": numpy_balance(hf_logits, arch.moe_topk), "grad_diff": grad_diff, "aux_grad": aux_grad}  # fmt: skip
+    return {"model": model_dir.name, "metric": metric_sum / tokens, "tokens": tokens, "grad_diff": grad_diff,
+            "numpy": numpy_balance(hf_logits, arch.moe_topk, arch.moe_sigmoid), "aux_grad": aux_grad}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ so that it would choose differently; then one forward without replay and one wit
   RoutingReplay on the pass without replay, and `changed_fraction_replayed` on the replayed pass (the same count);
 * `replay_diff`: max |MoE layer output under replay - the same layer computed in float64 from its input, the moved
   router's logits and the *recorded* experts| (probabilities: softmax over the recorded experts' logits when HF
-  renormalises the top k, else the full softmax taken at them; plus the gated shared expert where there is one), over
+  renormalises the top k, else the full softmax taken at them, or their sigmoid scores renormalised and scaled; plus
+  the shared expert, gated or not, where there is one), over
   every MoE layer;
 * `replay_effect`: max |MoE layer output without replay - with replay| (how much the replay changes at all).
 """
@@ -24,11 +25,14 @@ from moe_single import loaded_model, run_each
 SEQ = 48
 
 
-def reference(h: torch.Tensor, mlp, experts: torch.Tensor, norm_topk: bool) -> torch.Tensor:
+def reference(h: torch.Tensor, mlp, experts: torch.Tensor, arch) -> torch.Tensor:
     """One MoE layer in float64: [T, H] input, the recorded [T, k] experts."""
     h = h.double()
     logits = h @ mlp.router.weight.double().t()
-    if norm_topk:
+    if arch.moe_sigmoid:  # GLM-4.5: the recorded experts' sigmoid scores renormalised, times the scaling factor
+        probs = torch.sigmoid(logits).gather(1, experts)
+        probs = probs / probs.sum(dim=-1, keepdim=True) * (arch.moe_scaling or 1.0)
+    elif arch.moe_norm_topk:
         probs = torch.softmax(logits.gather(1, experts), dim=-1)
     else:
         probs = torch.softmax(logits, dim=-1).gather(1, experts)
@@ -40,9 +44,10 @@ def reference(h: torch.Tensor, mlp, experts: torch.Tensor, norm_topk: bool) -> t
     for e, expert in enumerate(mlp.experts.local_experts):
         weight = (probs * (experts == e)).sum(dim=1, keepdim=True)
         out += weight * swiglu(expert)
-    shared = getattr(mlp, "shared_experts", None)  # Qwen2-MoE: a gated shared expert beside the routed ones
+    shared = getattr(mlp, "shared_experts", None)  # Qwen2-MoE's (gated), GLM-4.5's: beside the routed ones
     if shared is not None:
-        out += torch.sigmoid(h @ shared.gate_weight.double().t()) * swiglu(shared)
+        gate = getattr(shared, "gate_weight", None)
+        out += (1.0 if gate is None else torch.sigmoid(h @ gate.double().t())) * swiglu(shared)
     return out
 
 
@@ -83,7 +88,7 @@ def check(model_dir: Path) -> dict:
         replay.replay = True
         replayed = forward()
         changed_replayed, compared_replayed = replay.take_counts().tolist()
-    replay_diff = max((reference(replayed[j][0], mlp, recorded[j], arch.moe_norm_topk) - replayed[j][1].double())
+    replay_diff = max((reference(replayed[j][0], mlp, recorded[j], arch) - replayed[j][1].double())
                       .abs().max().item() for j, mlp in enumerate(moe))  # fmt: skip
     effect = max((natural[j][1] - replayed[j][1]).abs().max().item() for j in range(len(moe)))
     return {"model": model_dir.name, "layers": len(moe), "compared": compared, "changed_fraction": changed / compared,

@@ -51,8 +51,8 @@ def check(model_dir: Path, par, out: Path) -> None:
         (ce.sum() / length).backward()
         finish_grad_sync(ddp, par.tp_size)  # the optimizers' own: DP sync, then the TP sums of the norms' and routers' grads
         metric, tokens = meter.take().tolist()
-        for p in model.parameters():
-            p.data = p.main_grad.clone()
+        for p in model.parameters():  # (a sigmoid router's fixed expert bias has no grad: zeros)
+            p.data = p.main_grad.clone() if p.requires_grad else torch.zeros_like(p)
         shards = gather_tp_shards(model, arch, par)
         if par.is_main:
             torch.save({"grads": mcore_to_hf(shards, arch), "ce": float(ce.sum()), "metric": metric / tokens,

@@ -2,13 +2,12 @@
 TP=1, TP=2, and EP=2, where each rank holds and reads only half the experts and runs its own batch).
 
 On each MoE tiny model of `FAMILY_TINY_MODELS` (Qwen3-MoE with renormalised top-k, Qwen3-MoE with plain top-k and a
-dense layer between sparse ones, Mixtral): megatron's fp32 router logits, the experts it chooses for every token,
-the routing probabilities, each MoE block's output and the whole-model logits equal transformers' in fp32.
-Whole-model logits on packed documents and long sequences, and the bit-exact HF -> mcore -> HF round trip, are in
-test_family_parity.py (the same tiny models). Also here: real SFT jobs at one rank, DP=2 and EP=2; the load-balancing
-loss (metric = NumPy, gradient = the written-out objective, EP=2 = DP=2); routing replay (replayed layers = float64
-on the recorded experts) and GRPO over several steps per batch with it off and on.
-"""
+dense layer between sparse ones, Qwen2-MoE, Mixtral, GLM-4.5 with sigmoid group-limited routing): megatron's fp32 router
+logits, the experts it chooses for every token, the routing probabilities, each MoE block's output and the whole-model
+logits equal transformers' in fp32. Whole-model logits on packed documents and long sequences, and the bit-exact HF ->
+mcore -> HF round trip, are in test_family_parity.py (the same tiny models). Also here: real SFT jobs at one rank, DP=2
+and EP=2; the load-balancing loss (metric = NumPy, gradient = the written-out objective, EP=2 = DP=2); routing replay
+(replayed layers = float64 on the recorded experts) and GRPO over several steps per batch with it off and on."""
 
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS
 
 HERE = Path(__file__).parent
 MOE_MODELS = sorted(name for name, spec in FAMILY_TINY_MODELS.items() if spec["family"] in ("qwen3_moe", "qwen2_moe",
-                                                                                           "mixtral"))  # fmt: skip
+                                                                                           "mixtral", "glm4_moe"))
 TOLERANCE = 1e-5  # fp32 against float64 or NumPy
 # fp32 router logits, probabilities, layer outputs and logits (values up to ~7) against transformers': measured
 # <= 5.3e-6; the rounding differs by up to 2x between CPUs (parity.py)
@@ -73,8 +72,8 @@ def results(moe_models: dict[str, Path]):
     return get
 
 
-def test_the_moe_tiny_models_cover_every_moe_family_and_both_routings() -> None:
-    assert MOE_MODELS == ["mixtral", "qwen2-moe", "qwen3-moe", "qwen3-moe-mixed"]
+def test_the_moe_tiny_models_cover_every_moe_family_and_every_routing() -> None:
+    assert MOE_MODELS == ["glm4-moe", "mixtral", "qwen2-moe", "qwen3-moe", "qwen3-moe-mixed"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

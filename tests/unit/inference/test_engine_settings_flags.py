@@ -49,6 +49,8 @@ def test_a_mixture_of_experts_model_on_cpu_gets_no_lora_slots(tmp_path) -> None:
     assert not args.enable_lora
     settings = Settings(model=str(tmp_path), home=tmp_path)
     assert not lora_enabled(settings, "cpu") and lora_enabled(settings, "accelerator")
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Glm4MoeForCausalLM"], "n_routed_experts": 4}))
+    assert not lora_enabled(settings, "cpu")  # GLM-4.5 names its expert count n_routed_experts
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     assert lora_enabled(settings, "cpu")
 

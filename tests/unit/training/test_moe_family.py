@@ -1,5 +1,6 @@
-"""The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral) without torch: what they read from the config, their
-per-expert tensor rules, what they refuse (naming the field), and LoRA refused at submission naming adapter_type."""
+"""The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5) without torch: what they read from the
+config, their per-expert tensor rules, what they refuse (naming the field), and LoRA refused at submission naming
+adapter_type."""
 
 from __future__ import annotations
 
@@ -24,17 +25,23 @@ QWEN2_MOE = {**BASE, "architectures": ["Qwen2MoeForCausalLM"], "num_experts": 4,
              "shared_expert_intermediate_size": 512, "norm_topk_prob": False}  # fmt: skip
 MIXTRAL = {**BASE, "architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "intermediate_size": 128,
            "router_jitter_noise": 0.0}  # fmt: skip
+# GLM-4.5-Air's fields, scaled down: a dense first layer, 1 shared expert, sigmoid routing over 2 groups (1 kept).
+GLM4_MOE = {**BASE, "architectures": ["Glm4MoeForCausalLM"], "n_routed_experts": 4, "moe_intermediate_size": 128,
+            "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
+            "routed_scaling_factor": 1.8, "norm_topk_prob": True, "attention_bias": True, "partial_rotary_factor": 0.5,
+            "num_nextn_predict_layers": 1}  # fmt: skip
 
 
 def _shape(config: dict) -> ModelArch:
     """The arch read from `config` with exactly the tensor names its rules map."""
-    family = {"Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe"}.get(config["architectures"][0],
-                                                                                        "mixtral")  # fmt: skip
+    family = {"Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
+              "Glm4MoeForCausalLM": "glm4_moe"}.get(config["architectures"][0], "mixtral")  # fmt: skip
     first = BY_NAME[family].extra(config)
     layers = config["num_hidden_layers"]
     probe = ModelArch(family="probe", vocab_size=1, hidden_size=1, num_layers=layers, num_heads=1, num_kv_heads=1,
                       head_dim=1, ffn_hidden_size=1, norm_eps=0.0, rope_theta=0.0, max_position_embeddings=1,
-                      tied_embeddings=False, qk_layernorm="Qwen3" in config["architectures"][0], **first)  # fmt: skip
+                      tied_embeddings=False, qk_layernorm="Qwen3" in config["architectures"][0],
+                      qkv_bias=bool(config.get("attention_bias")), **first)  # fmt: skip
     return read_arch(config, hf_tensor_names(probe))
 
 
@@ -86,6 +93,26 @@ def test_qwen2_moe_reads_its_gated_shared_expert_and_maps_it_to_megatrons() -> N
         check_tensor_parallel(_shape({**QWEN2_MOE, "shared_expert_intermediate_size": 511}), 2)
 
 
+def test_glm4_moe_reads_sigmoid_routing_its_fixed_bias_shared_expert_and_dense_layers() -> None:
+    arch = _shape(GLM4_MOE)
+    assert (arch.family, arch.num_experts, arch.moe_topk, arch.moe_sigmoid, arch.moe_groups, arch.moe_scaling) == (
+        "glm4_moe", 4, 2, True, (2, 1), 1.8)  # fmt: skip
+    assert (arch.moe_layers, arch.moe_shared_ffn_hidden_size, arch.moe_shared_gate) == ((False, True, True), 128, False)
+    assert (arch.rotary_fraction, arch.rotary_interleaved, arch.qkv_bias, arch.mtp_layers) == (0.5, False, True, 1)
+    by_mcore = {r.mcore: r for r in rules(arch)}
+    bias = by_mcore["decoder.layers.1.mlp.router.expert_bias"]  # loaded and published, never trained
+    assert bias.hf == ("model.layers.1.mlp.gate.e_score_correction_bias",) and bias.kind == "replicated"
+    assert by_mcore["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"].hf == (
+        "model.layers.1.mlp.shared_experts.gate_proj.weight", "model.layers.1.mlp.shared_experts.up_proj.weight")
+    assert "decoder.layers.1.mlp.shared_experts.gate_weight" not in by_mcore  # GLM's shared expert has no gate
+    assert by_mcore["decoder.layers.0.mlp.linear_fc1.weight"].hf[0] == "model.layers.0.mlp.gate_proj.weight"  # dense
+    # The multi-token-prediction layer after the last (layer 3 here) is skipped, as transformers skips it; no other.
+    names = hf_tensor_names(arch)
+    read_arch(GLM4_MOE, [*names, "model.layers.3.eh_proj.weight", "model.layers.3.mlp.experts.0.up_proj.weight"])
+    with pytest.raises(InvalidRequest, match=r"map to nothing.*model.layers.4.eh_proj"):
+        read_arch(GLM4_MOE, [*names, "model.layers.4.eh_proj.weight"])
+
+
 def test_missing_or_unmapped_expert_tensors_are_refused() -> None:
     names = hf_tensor_names(_shape(QWEN3_MOE))
     with pytest.raises(InvalidRequest, match=r"lacks 1 tensor.*experts\.3\.up_proj"):
@@ -99,7 +126,11 @@ def test_missing_or_unmapped_expert_tensors_are_refused() -> None:
     [({**MIXTRAL, "router_jitter_noise": 0.1}, "router_jitter_noise"),
      ({**QWEN3_MOE, "num_experts_per_tok": 8}, "num_experts_per_tok"),
      ({**QWEN3_MOE, "mlp_only_layers": [7]}, "mlp_only_layers"),
-     ({**QWEN3_MOE, "shared_expert_intermediate_size": 64}, "shared experts")],
+     ({**QWEN3_MOE, "shared_expert_intermediate_size": 64}, "shared experts"),
+     ({**GLM4_MOE, "norm_topk_prob": False}, "norm_topk_prob=false with sigmoid routing"),
+     ({**GLM4_MOE, "use_qk_norm": True}, "use_qk_norm"),
+     ({**GLM4_MOE, "topk_group": 2}, "n_group=2, topk_group=2 with num_experts_per_tok=2"),
+     ({**GLM4_MOE, "n_group": 3}, "n_group=3")],
 )  # fmt: skip
 def test_moe_fields_the_trainer_cannot_follow_are_refused_by_name(config: dict, field: str) -> None:
     with pytest.raises(InvalidRequest, match=field):
@@ -112,7 +143,7 @@ def test_tensor_parallel_must_split_the_experts() -> None:
         check_tensor_parallel(_shape({**QWEN3_MOE, "moe_intermediate_size": 127}), 2)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"])
 def test_lora_on_moe_is_refused_naming_adapter_type(family: str) -> None:
     with pytest.raises(InvalidRequest, match="adapter_type 'lora' is not supported for " + family) as e:
         lora_targets(BY_NAME[family], ["q_proj"])
