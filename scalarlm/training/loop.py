@@ -41,7 +41,7 @@ from scalarlm.training.rl_step import RLBatch, grpo_step, rl_batch
 from scalarlm.training.losses import sft_loss
 from scalarlm.training.notify import notify_published
 from scalarlm.training.families import check_moe_training, expert_rank
-from scalarlm.training.model import build_gpt_model, model_arch, sequence_parallel
+from scalarlm.training.model import build_gpt_model, half_precision, model_arch, sequence_parallel
 from scalarlm.training.moe_balance import BalanceMeter
 from scalarlm.training.moe_replay import RoutingReplay
 from scalarlm.training.optim import build_optimizer, wrap_data_parallel
@@ -107,7 +107,7 @@ class Trainer:
         self.batch_start: dict[str, int] = {}  # the group stream's state before the current batch
         # Overlapped grad all-reduce (DP > 1) for every loss: the step driver (step.py) runs all but each step's last
         # micro-batch under no_sync(), and Tinker's forward_backward all of them (its optim_step starts the sync).
-        self.ddp = wrap_data_parallel(self.model if not self.bf16 else self._half(self.model), par, overlap=True)
+        self.ddp = wrap_data_parallel(self.model if not self.bf16 else half_precision(self.model), par, overlap=True)
         self.optimizer = build_optimizer(self.ddp, args, par, self.bf16)
         self.step = 0
         self.tokens_seen = 0
@@ -141,11 +141,6 @@ class Trainer:
         del mcore
         mark_tensor_parallel(model, self.arch)
         return model.to(self.par.device)
-
-    def _half(self, model: torch.nn.Module) -> torch.nn.Module:
-        from megatron.core.transformer.module import Float16Module
-
-        return Float16Module(model.config, model)
 
     def resume_if_saved(self) -> bool:
         """Continue from `state/` if it holds a saved state; True if it did."""

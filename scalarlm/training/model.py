@@ -409,6 +409,19 @@ def _expert_bias_as_parameters(model: torch.nn.Module) -> None:
     model.config.moe_router_enable_expert_bias = False
 
 
+def half_precision(model: torch.nn.Module) -> torch.nn.Module:
+    """megatron's bf16 wrapper (`Float16Module`, which casts every weight), the routers' fixed expert bias kept in
+    fp32 as loaded (transformers keeps `e_score_correction_bias` fp32 too: bf16 would move near-tied expert choices)."""
+    from megatron.core.transformer.module import Float16Module
+
+    fp32 = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("router.expert_bias")}
+    half = Float16Module(model.config, model)
+    params = dict(model.named_parameters())
+    for name, value in fp32.items():
+        params[name].data = value
+    return half
+
+
 def _pad_to_the_group(model: torch.nn.Module, moes: list[torch.nn.Module]) -> None:
     """Expert parallelism with the allgather dispatcher needs every rank of the expert group to send as many tokens:
     a packed micro-batch ([T, 1]) is padded with zero tokens to the group's longest and the output cut back.

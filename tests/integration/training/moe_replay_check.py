@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from moe_single import loaded_model, run_each
+from moe_single import load_into, loaded_model, run_each
 
 SEQ = 48
 
@@ -93,7 +93,26 @@ def check(model_dir: Path) -> dict:
     effect = max((natural[j][1] - replayed[j][1]).abs().max().item() for j in range(len(moe)))
     return {"model": model_dir.name, "layers": len(moe), "compared": compared, "changed_fraction": changed / compared,
             "changed_fraction_replayed": changed_replayed / compared_replayed, "replay_diff": replay_diff,
-            "replay_effect": effect}  # fmt: skip
+            "replay_effect": effect, "bf16_bias_exact": bf16_bias_exact(model_dir, arch)}  # fmt: skip
+
+
+def bf16_bias_exact(model_dir: Path, arch) -> bool | None:
+    """A sigmoid router's fixed expert bias in the bf16 model (`model.half_precision`, megatron's Float16Module casts
+    every weight): still fp32 and equal to the checkpoint's. None without one."""
+    if not arch.moe_sigmoid:
+        return None
+    from safetensors.torch import load_file
+
+    from scalarlm.training.model import build_gpt_model, half_precision
+
+    model = build_gpt_model(arch, 1, bf16=True)
+    load_into(model, model_dir, arch)
+    half_precision(model)
+    hf = load_file(str(model_dir / "model.safetensors"))
+    biases = [(p, hf[f"model.layers.{int(n.split('.')[2])}.mlp.gate.e_score_correction_bias"])
+              for n, p in model.named_parameters() if n.endswith("router.expert_bias")]  # fmt: skip
+    assert biases and any(p.dtype == torch.bfloat16 for p in model.parameters())
+    return all(p.dtype == torch.float32 and torch.equal(p.detach(), want) for p, want in biases)
 
 
 if __name__ == "__main__":
