@@ -179,13 +179,14 @@ def _family_config(
         # glm-4-9b-chat-hf's fields: GLM-4-0414's without its output norms.
         return transformers.GlmConfig(head_dim=head_dim, attention_bias=True, partial_rotary_factor=0.5, **common)
     if family == "glm4_moe":
-        # GLM-4.5's fields (a dense first layer, sigmoid routing scaled by routed_scaling_factor, one shared expert),
+        # GLM-4.5's fields (a dense first layer, q/k norms, sigmoid routing scaled by routed_scaling_factor, one shared
+        # expert),
         # with DeepSeek-V3's group-limited routing (2 groups of 2 experts, the best group kept) so it is exercised.
         return transformers.Glm4MoeConfig(head_dim=head_dim, attention_bias=True, partial_rotary_factor=0.5,
                                           n_routed_experts=TINY_EXPERTS, num_experts_per_tok=TINY_TOPK,
                                           moe_intermediate_size=hidden // 2, n_shared_experts=1,
                                           first_k_dense_replace=1, n_group=2, topk_group=1,
-                                          routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=False,
+                                          routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
                                           **common)  # fmt: skip
     if family == "glm4":
         # GLM-4-0414's fields: RoPE on half of each head, adjacent pairs rotated; q/k/v biases; output norms.

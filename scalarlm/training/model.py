@@ -477,7 +477,7 @@ def yarn_inv_freq(arch: ModelArch) -> Tensor:
     original (extrapolated) and the factor-interpolated one along a linear ramp between the correction dimensions of
     beta_fast and beta_slow rotations over the original context."""
     factor, beta_fast, beta_slow, old_len, _, truncate = arch.yarn_rope  # type: ignore[misc]
-    dim, base = arch.head_dim, arch.rope_theta
+    dim, base = arch.rotary_dim, arch.rope_theta
 
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
@@ -503,7 +503,7 @@ def longrope_inv_freq(arch: ModelArch, factors: tuple[float, ...]) -> Tensor:
 def llama3_inv_freq(arch: ModelArch) -> Tensor:
     """RoPE inverse frequencies of `rope_type: llama3`, computed from the config as transformers does."""
     factor, low, high, old_len = arch.llama3_rope  # type: ignore[misc]
-    dim = arch.head_dim
+    dim = arch.rotary_dim
     inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     low_wavelen, high_wavelen = old_len / low, old_len / high
     wavelen = 2 * math.pi / inv_freq

@@ -390,7 +390,7 @@ def read_arch(config: dict[str, Any], tensor_names: Iterable[str], families: dic
         tied_embeddings=bool(_value(config, "tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         attention_dropout=float(_value(config, "attention_dropout", 0.0)),
-        qk_layernorm=family.qk_layernorm,
+        qk_layernorm=extra.pop("qk_layernorm", family.qk_layernorm),  # GLM-4.5: per config (`use_qk_norm`)
         qk_norm_over_projection=family.qk_norm_over_projection,
         fused_qkv=family.fused_qkv,
         fused_gate_up=family.fused_gate_up,

@@ -37,11 +37,12 @@ def _shape(config: dict) -> ModelArch:
     family = {"Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
               "Glm4MoeForCausalLM": "glm4_moe"}.get(config["architectures"][0], "mixtral")  # fmt: skip
     first = BY_NAME[family].extra(config)
+    qk_norms = first.pop("qk_layernorm", "Qwen3" in config["architectures"][0])
     layers = config["num_hidden_layers"]
     probe = ModelArch(family="probe", vocab_size=1, hidden_size=1, num_layers=layers, num_heads=1, num_kv_heads=1,
                       head_dim=1, ffn_hidden_size=1, norm_eps=0.0, rope_theta=0.0, max_position_embeddings=1,
-                      tied_embeddings=False, qk_layernorm="Qwen3" in config["architectures"][0],
-                      qkv_bias=bool(config.get("attention_bias")), **first)  # fmt: skip
+                      tied_embeddings=False, qk_layernorm=qk_norms, qkv_bias=bool(config.get("attention_bias")),
+                      **first)  # fmt: skip
     return read_arch(config, hf_tensor_names(probe))
 
 
@@ -99,6 +100,7 @@ def test_glm4_moe_reads_sigmoid_routing_its_fixed_bias_shared_expert_and_dense_l
         "glm4_moe", 4, 2, True, (2, 1), 1.8)  # fmt: skip
     assert (arch.moe_layers, arch.moe_shared_ffn_hidden_size, arch.moe_shared_gate) == ((False, True, True), 128, False)
     assert (arch.rotary_fraction, arch.rotary_interleaved, arch.qkv_bias, arch.mtp_layers) == (0.5, False, True, 1)
+    assert not arch.qk_layernorm and _shape({**GLM4_MOE, "use_qk_norm": True}).qk_layernorm  # GLM-4.5's: per head
     by_mcore = {r.mcore: r for r in rules(arch)}
     bias = by_mcore["decoder.layers.1.mlp.router.expert_bias"]  # loaded and published, never trained
     assert bias.hf == ("model.layers.1.mlp.gate.e_score_correction_bias",) and bias.kind == "replicated"
@@ -128,7 +130,6 @@ def test_missing_or_unmapped_expert_tensors_are_refused() -> None:
      ({**QWEN3_MOE, "mlp_only_layers": [7]}, "mlp_only_layers"),
      ({**QWEN3_MOE, "shared_expert_intermediate_size": 64}, "shared experts"),
      ({**GLM4_MOE, "norm_topk_prob": False}, "norm_topk_prob=false with sigmoid routing"),
-     ({**GLM4_MOE, "use_qk_norm": True}, "use_qk_norm"),
      ({**GLM4_MOE, "topk_group": 2}, "n_group=2, topk_group=2 with num_experts_per_tok=2"),
      ({**GLM4_MOE, "n_group": 3}, "n_group=3")],
 )  # fmt: skip
