@@ -58,7 +58,7 @@ REAL_POLICY_JOB = ("tests/integration/training/test_grpo_job.py::"
                    "test_a_real_jobs_first_loss_is_each_policy_objective")
 SAMPLER_CORRECTION = [  # TRL's vllm_importance_sampling_*: NumPy per mode and bounds, packed = padded, a real job
     "tests/unit/training/test_grpo.py::test_sampler_correction_weighs_each_token_as_trls_vllm_importance_sampling",
-    "tests/unit/training/test_grpo.py::test_sequence_level_sampler_correction_packed_gives_the_padded_loss_and_gradients",
+    "tests/unit/training/test_grpo.py::test_sequence_level_packed_gives_the_padded_loss_and_gradients",
     REAL_POLICY_JOB,
 ]
 SAPO = ["tests/unit/training/test_grpo.py::test_cispo_and_sapo_objectives_and_gradients_match_numpy", REAL_POLICY_JOB]
