@@ -21,9 +21,10 @@ logger = logging.getLogger(__name__)
 
 # `--family` names: the trainer's families (scalarlm.training.families) plus llama3 (Llama with llama3 RoPE).
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "olmo2", "olmo3",
-            "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe")  # fmt: skip
+            "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe", "deepseek_v3")  # fmt: skip
 Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "olmo2",
-                 "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe"]  # fmt: skip
+                 "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe",
+                 "deepseek_v3"]  # fmt: skip
 # Mixture-of-experts tiny models: 4 experts, 2 per token, each expert's intermediate size hidden / 2.
 TINY_EXPERTS, TINY_TOPK = 4, 2
 # Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3, Gemma).
@@ -188,6 +189,22 @@ def _family_config(
                                           first_k_dense_replace=1, n_group=2, topk_group=1,
                                           routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
                                           **common)  # fmt: skip
+    if family == "deepseek_v3":
+        # DeepSeek-V3's fields shrunk: multi-latent attention (a q latent, rope dims apart from the rest; the kv
+        # latent and rope dims at V3's 512 + 64, the only size vLLM's CPU MLA decode kernel runs), yarn with both
+        # mscale terms (V3: factor 40 over 4K), a dense first layer, sigmoid group-limited routing (`scoring_func` and
+        # `topk_method` as the hub's configs say: vLLM reads them, transformers 5 does not write them) and a shared
+        # expert.
+        yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 128,
+                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8}  # fmt: skip
+        return transformers.DeepseekV3Config(q_lora_rank=hidden // 4, kv_lora_rank=512, qk_nope_head_dim=32,
+                                             qk_rope_head_dim=64, v_head_dim=32, rope_interleave=True,
+                                             scoring_func="sigmoid", topk_method="noaux_tc",
+                                             n_routed_experts=TINY_EXPERTS, num_experts_per_tok=TINY_TOPK,
+                                             moe_intermediate_size=hidden // 2, n_shared_experts=1,
+                                             first_k_dense_replace=1, n_group=2, topk_group=1,
+                                             routed_scaling_factor=2.5, norm_topk_prob=True, rope_parameters=yarn,
+                                             attention_bias=False, **common)  # fmt: skip
     if family == "glm4":
         # GLM-4-0414's fields: RoPE on half of each head, adjacent pairs rotated; q/k/v biases; output norms.
         return transformers.Glm4Config(head_dim=head_dim, attention_bias=True, partial_rotary_factor=0.5,
@@ -369,6 +386,11 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
     "mixtral": dict(family="mixtral", hidden=256, heads=4, kv_heads=2, seed=11),
     "qwen2-moe": dict(family="qwen2_moe", hidden=256, heads=4, kv_heads=2, seed=16),
     "glm4-moe": dict(family="glm4_moe", hidden=256, heads=4, kv_heads=2, layers=3, seed=23),
+    "deepseek-v3": dict(family="deepseek_v3", hidden=256, heads=4, kv_heads=4, layers=3, seed=24),
+    # Moonlight's layout (DeepseekV3ForCausalLM too): one q_proj instead of a q latent, plain RoPE.
+    "moonlight": dict(family="deepseek_v3", hidden=256, heads=4, kv_heads=4, layers=3, seed=25,
+                      config_overrides={"q_lora_rank": None,
+                                        "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}}),
     "granite": dict(family="granite", hidden=256, heads=4, kv_heads=2, seed=17),
     "glm": dict(family="glm", hidden=256, heads=4, kv_heads=2, seed=20),
     "glm4": dict(family="glm4", hidden=256, heads=4, kv_heads=2, seed=19),

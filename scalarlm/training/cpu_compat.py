@@ -54,6 +54,17 @@ def router_gemm_without_transformer_engine() -> None:
         moe_utils.te_general_gemm = None
 
 
+def latent_attention_without_transformer_engine() -> None:
+    """megatron-core 0.16.1's multi-latent attention believes TransformerEngine is present whenever its extension
+    module imports, which without TE (CPU, or a GPU without it) binds `TELinear` to a mock: the constructor's
+    `isinstance(self.linear_proj, TELinear)` then raises TypeError. Its `HAVE_TE` is set False when `TELinear` is no
+    class (its fp8 branch needs TE anyway). Nothing changes where TE is installed."""
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    if not isinstance(mla.TELinear, type):
+        mla.HAVE_TE = False
+
+
 def activate_if_no_accelerator() -> bool:
     """Apply the CPU shim when no accelerator is present; return True if it is (now) active."""
     if torch.cuda.is_available():

@@ -39,8 +39,9 @@ _ACTIVATIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")
 def sequence_parallel(arch: ModelArch, tp: int) -> bool:
     """Whether the trainer runs `arch` at `tp` under megatron's sequence parallelism: a mixture-of-experts model at
     TP > 1 (megatron's MoE layer trains at TP > 1 only so: each TP rank routes its own share of the tokens, the
-    dispatcher gathers them for the TP-sharded experts); a dense model keeps every token on every TP rank."""
-    return bool(arch.num_experts) and tp > 1
+    dispatcher gathers them for the TP-sharded experts) and a multi-latent attention one (whose shared rotated key's
+    gradient is summed over TP only so: `_layer_specs`); a dense model keeps every token on every TP rank."""
+    return (bool(arch.num_experts) or arch.mla is not None) and tp > 1
 
 
 def transformer_config(arch: ModelArch, tp: int, bf16: bool, recompute: bool = False, aux_loss_coef: float = 0.0,
@@ -54,10 +55,10 @@ def transformer_config(arch: ModelArch, tp: int, bf16: bool, recompute: bool = F
     each layer keeps only its input and runs its forward again in backward (same gradients, less memory).
     `aux_loss_coef` (train arg `moe_aux_loss_coef`): the MoE load-balancing loss's weight (`moe_balance`).
     """
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     dtype = torch.bfloat16 if bf16 else torch.float32
-    return TransformerConfig(
+    return (MLATransformerConfig if arch.mla else TransformerConfig)(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_heads,
@@ -95,7 +96,22 @@ def transformer_config(arch: ModelArch, tp: int, bf16: bool, recompute: bool = F
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
         **_moe_config(arch, aux_loss_coef),
+        **_mla_config(arch),
     )
+
+
+def _mla_config(arch: ModelArch) -> dict:
+    """megatron's multi-latent attention fields for `arch` (none without MLA). Its RoPE module is replaced by
+    `LatentRope`; `rotary_scaling_factor` and `mscale_all_dim` still set the softmax scale, as HF's."""
+    if arch.mla is None:
+        return {}
+    mla, yarn = arch.mla, arch.yarn_rope
+    return {
+        "q_lora_rank": mla.q_rank, "kv_lora_rank": mla.kv_rank, "qk_head_dim": mla.nope_dim,
+        "qk_pos_emb_head_dim": mla.rope_dim, "v_head_dim": mla.v_dim, "rope_type": "yarn" if yarn else "rope",
+        "rotary_base": arch.rope_theta, "rotary_scaling_factor": yarn[0] if yarn else 1.0,
+        "mscale_all_dim": mla.mscale_all_dim,
+    }  # fmt: skip
 
 
 def _moe_config(arch: ModelArch, aux_loss_coef: float) -> dict:
@@ -179,6 +195,9 @@ def _sdpa_attention_class(arch: ModelArch):
         """Causal attention over [S, B, heads, d]: per document when `packed_seq_params` names document bounds,
         else under `attention_mask` ([B, 1, S, S], True = hidden), else plain causal; within the layer's sliding
         window when the family has one (per layer, exactly as HF masks it)."""
+
+        def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs) -> None:
+            super().__init__(*args, **kwargs)  # MLA names its q/k and v head sizes: SDPA reads them off the tensors
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):  # fmt: skip
@@ -308,14 +327,26 @@ def _layer_specs(arch: ModelArch, sequence_parallel: bool = False):
     norm = SequenceParallelRMSNorm if sequence_parallel else None
 
     def spec(experts: int | None):
+        mla = arch.mla is not None  # its latent norms are megatron's q/kv_layernorm
         layer = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm",
-                                         qk_layernorm=arch.qk_layernorm)  # fmt: skip
+                                         qk_layernorm=arch.qk_layernorm or mla, multi_latent_attention=mla)  # fmt: skip
         # SDPA instead of megatron's unfused baddbmm + masked softmax + bmm (same maths, one fused kernel).
         attention = layer.submodules.self_attention.submodules
         attention.core_attention = _sdpa_attention_class(arch)
+        if mla:
+            from megatron.core.post_training.modelopt.layers import Linear
+
+            layer.submodules.self_attention.module = _packed_latent_attention_class()
+            # Not split over TP: megatron's column-parallel path leaves the shared rotated key's gradient summed over
+            # the rank's own heads only. Whole on every rank, the key is gathered from the sequence-parallel region
+            # (its backward sums every rank's heads) and the weight's grad is summed over TP (`sequence_parallel`):
+            # the trainer runs MLA at TP > 1 only so (`sequence_parallel`); without it the forward is still exact.
+            attention.linear_kv_down_proj = Linear
         if norm is not None:
             layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = norm
-            if arch.qk_layernorm:
+            if mla:
+                attention.q_layernorm = attention.kv_layernorm = norm
+            elif arch.qk_layernorm:
                 attention.q_layernorm = attention.k_layernorm = norm
         return layer
 
@@ -326,6 +357,63 @@ def _layer_specs(arch: ModelArch, sequence_parallel: bool = False):
     return TransformerBlockSubmodules(
         layer_specs=[sparse if arch.is_moe(i) else dense for i in range(arch.num_layers)], layer_norm=norm or LayerNormImpl
     )
+
+
+def _packed_latent_attention_class():
+    """megatron's MLASelfAttention computing q, k and v on the ordinary [S, B] path also for packed documents
+    (`document_bounds` keeps the "sbhd" format; megatron's MLA would squeeze the batch dim for any packed params):
+    only `SdpaAttention` reads the bounds."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    class PackedMLASelfAttention(MLASelfAttention):
+        def get_query_key_value_tensors(self, hidden_states, key_value_states=None, position_ids=None,
+                                        packed_seq_params=None, *args, **kwargs):  # fmt: skip
+            return super().get_query_key_value_tensors(hidden_states, key_value_states, position_ids, None, *args,
+                                                       **kwargs)  # fmt: skip
+
+    return PackedMLASelfAttention
+
+
+class LatentRope(torch.nn.Module):
+    """MLA's RoPE module (what megatron's MLA calls `rotary_pos_emb`): the angles at each token's own position id
+    (`rope_angles`, positions restarting per packed document) instead of 0..S-1; with yarn, also the attention factor
+    megatron multiplies cos and sin by. No parameters or buffers (the state dict is unchanged)."""
+
+    def __init__(self, inv_freq: Tensor, positions: Callable[[], Tensor], attention_factor: float | None) -> None:
+        super().__init__()
+        self.inv_freq, self.positions, self.attention_factor = inv_freq, positions, attention_factor
+
+    def get_rotary_seq_len(self, *args: object, **kwargs: object) -> int:
+        return 0  # unused: the angles follow the position ids
+
+    def forward(self, seq_len: int, packed_seq: bool = False) -> Tensor | tuple[Tensor, float]:
+        angles = rope_angles(self.inv_freq, self.positions())
+        return angles if self.attention_factor is None else (angles, self.attention_factor)
+
+
+def _model_rope(model: torch.nn.Module, arch: ModelArch) -> None:
+    """The model's RoPE inverse frequencies as HF computes them for `arch`'s scaling (megatron's table is plain)."""
+    if arch.llama3_rope is not None:
+        # megatron's own llama3 scaling hard-codes low/high_freq_factor and original_max_position_embeddings.
+        model.rotary_pos_emb.inv_freq = llama3_inv_freq(arch)
+    if arch.rope_linear_factor is not None:
+        model.rotary_pos_emb.inv_freq = model.rotary_pos_emb.inv_freq / arch.rope_linear_factor
+    if arch.yarn_rope is not None:  # its attention_factor: `SdpaAttention`'s scale (arch.attention_scale_factor)
+        model.rotary_pos_emb.inv_freq = yarn_inv_freq(arch)
+    if arch.longrope is not None:  # its attention factor: `modules.apply_rope_attention_factor`
+        short, long, original, _ = arch.longrope
+        model.rotary_pos_emb.inv_freq = longrope_inv_freq(arch, short)
+        model.longrope = (longrope_inv_freq(arch, long), original)
+
+
+def _latent_rope(model: torch.nn.Module, arch: ModelArch) -> None:
+    """Every MLA layer rotates at the model's current position ids, with HF's inverse frequencies over the rope dims."""
+    dim = arch.rotary_dim
+    inv_freq = yarn_inv_freq(arch) if arch.yarn_rope else \
+        1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))  # fmt: skip
+    factor = arch.yarn_rope[4] if arch.yarn_rope else None
+    for layer in model.decoder.layers:
+        layer.self_attention.rotary_pos_emb = LatentRope(inv_freq, lambda: model.current_position_ids, factor)
 
 
 def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool = True, recompute: bool = False,
@@ -362,6 +450,10 @@ def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool 
         from scalarlm.training.cpu_compat import router_gemm_without_transformer_engine
 
         router_gemm_without_transformer_engine()
+    if arch.mla is not None:
+        from scalarlm.training.cpu_compat import latent_attention_without_transformer_engine
+
+        latent_attention_without_transformer_engine()
     model = PackedGPTModel(
         config=transformer_config(arch, tp, bf16, recompute, aux_loss_coef, sequence_parallel),
         transformer_layer_spec=_layer_specs(arch, sequence_parallel),
@@ -375,17 +467,10 @@ def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool 
         rotary_percent=arch.rotary_fraction,
         rotary_base=arch.rope_theta,
     )
-    if arch.llama3_rope is not None:
-        # megatron's own llama3 scaling hard-codes low/high_freq_factor and original_max_position_embeddings.
-        model.rotary_pos_emb.inv_freq = llama3_inv_freq(arch)
-    if arch.rope_linear_factor is not None:
-        model.rotary_pos_emb.inv_freq = model.rotary_pos_emb.inv_freq / arch.rope_linear_factor
-    if arch.yarn_rope is not None:  # its attention_factor: `SdpaAttention`'s scale (arch.attention_scale_factor)
-        model.rotary_pos_emb.inv_freq = yarn_inv_freq(arch)
-    if arch.longrope is not None:  # its attention factor: `modules.apply_rope_attention_factor`
-        short, long, original, _ = arch.longrope
-        model.rotary_pos_emb.inv_freq = longrope_inv_freq(arch, short)
-        model.longrope = (longrope_inv_freq(arch, long), original)
+    if arch.mla is not None:
+        _latent_rope(model, arch)
+    else:
+        _model_rope(model, arch)
     adapt(model, arch, torch.bfloat16 if bf16 else torch.float32, rope_angles)
     if arch.moe_sigmoid:
         _expert_bias_as_parameters(model)

@@ -82,10 +82,10 @@ def _mixtral(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _glm4_moe(config: dict[str, Any]) -> dict[str, Any]:
-    """GLM-4.5's experts: dense layers below `first_k_dense_replace`, sigmoid routing with the fixed expert bias,
-    group-limited top k and `routed_scaling_factor`, an ungated shared expert (`n_shared_experts` x the expert
-    size); per-head q/k RMSNorms before RoPE when `use_qk_norm` (GLM-4.5, as Qwen3's)."""
+def sigmoid_experts(config: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5's and DeepSeek-V3's experts: dense layers below `first_k_dense_replace`, sigmoid routing with the fixed
+    expert bias, group-limited top k and `routed_scaling_factor`, an ungated shared expert (`n_shared_experts` x the
+    expert size); multi-token-prediction layers after the last one skipped."""
     if config.get("norm_topk_prob") is False:
         raise InvalidRequest("norm_topk_prob=false with sigmoid routing is not supported (megatron renormalises the "
                              "chosen scores)", param="model")  # fmt: skip
@@ -110,8 +110,12 @@ def _glm4_moe(config: dict[str, Any]) -> dict[str, Any]:
         "moe_sigmoid": True, "moe_groups": (groups, kept),
         "moe_scaling": float(config.get("routed_scaling_factor") or 1.0),
         "mtp_layers": int(config.get("num_nextn_predict_layers") or config.get("num_mtp_layers") or 0),
-        "qk_layernorm": bool(config.get("use_qk_norm")),
     }  # fmt: skip
+
+
+def _glm4_moe(config: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5: `sigmoid_experts`, and per-head q/k RMSNorms before RoPE when `use_qk_norm` (as Qwen3's)."""
+    return {**sigmoid_experts(config), "qk_layernorm": bool(config.get("use_qk_norm"))}
 
 
 QWEN3_MOE = Family(

@@ -40,6 +40,21 @@ SANDWICH_NORM_NAMES = ("post_attention_layernorm", "pre_feedforward_layernorm", 
 
 
 @dataclass(frozen=True)
+class LatentAttention:
+    """Multi-latent attention's shape (DeepSeek-V2/V3): q through a `q_rank` latent (None: one q_proj), k and v
+    expanded per head from one shared `kv_rank` latent; each head's q and k are `nope_dim` dims without RoPE then
+    `rope_dim` rotated ones (the rotated key shared by every head), v has `v_dim`. `mscale_all_dim`: HF's yarn
+    softmax-scale term (0: none)."""
+
+    q_rank: int | None
+    kv_rank: int
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
+    mscale_all_dim: float = 0.0
+
+
+@dataclass(frozen=True)
 class ModelArch:
     """A decoder's shape (dense or mixture-of-experts), read from an HF `config.json` (and its tensor names) by its
     family."""
@@ -84,6 +99,7 @@ class ModelArch:
     longrope: tuple[tuple[float, ...], tuple[float, ...], int, float] | None = None
     rotary_fraction: float = 1.0  # of each head's dims, the leading ones RoPE rotates (HF `partial_rotary_factor`)
     rotary_interleaved: bool = False  # RoPE rotates adjacent pairs of dims (GLM, GPT-J style), not the two halves
+    mla: LatentAttention | None = None  # multi-latent attention in place of grouped-query attention (head_dim: q's)
     # HF names of the `sandwich_norms`: attention's output norm, the pre-MLP norm, the MLP's output norm.
     norm_names: tuple[str, str, str] = SANDWICH_NORM_NAMES
     attn_logit_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
@@ -140,8 +156,8 @@ class ModelArch:
 
     @property
     def rotary_dim(self) -> int:
-        """How many leading dims of each head RoPE rotates (the rest pass through)."""
-        return int(self.head_dim * self.rotary_fraction)
+        """How many dims of each head RoPE rotates (the leading ones; MLA: its rope dims, the trailing ones)."""
+        return self.mla.rope_dim if self.mla else int(self.head_dim * self.rotary_fraction)
 
     def uses_local_rope(self, layer: int) -> bool:
         """Whether 0-based `layer` rotates with the sliding layers' own RoPE (`local_rope_theta`, unscaled) instead of
@@ -150,8 +166,9 @@ class ModelArch:
 
     def attention_scale_factor(self, layer: int) -> float:
         """What 0-based `layer`'s attention scores are multiplied by beyond the softmax scale: YaRN's
-        attention_factor squared on the layers it scales (HF scales cos and sin by it, so q and k each carry it)."""
-        if self.yarn_rope is None or self.uses_local_rope(layer):
+        attention_factor squared on the layers it scales (HF scales cos and sin by it, so q and k each carry it). Not
+        with MLA, whose heads have dims RoPE leaves alone: there the factor scales the rotated dims (`LatentRope`)."""
+        if self.yarn_rope is None or self.uses_local_rope(layer) or self.mla is not None:
             return 1.0
         return self.yarn_rope[4] ** 2
 
@@ -341,6 +358,10 @@ def _activation(config: dict[str, Any], family: Family) -> str:
 def _refuse_common(config: dict[str, Any], qkv_bias: bool) -> None:
     """Fields that change the maths of a Llama-shaped decoder in ways the trainer does not implement (`qkv_bias`: the
     family's `attention_bias` means q/k/v biases only, read from the tensor names)."""
+    if quantized := config.get("quantization_config"):
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise InvalidRequest(f"the checkpoint is quantized (quantization_config: {method}); the trainer needs its "
+                             "weights in bf16, fp16 or fp32: dequantize it first", param="model")  # fmt: skip
     if config.get("mlp_bias"):
         raise InvalidRequest("mlp_bias=true (biases on the MLP) is not supported", param="model")
     if config.get("attention_bias") and not qkv_bias:
@@ -383,7 +404,7 @@ def read_arch(config: dict[str, Any], tensor_names: Iterable[str], families: dic
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(_value(config, "num_key_value_heads", heads)),
-        head_dim=int(_value(config, "head_dim", hidden // heads)),
+        head_dim=extra.pop("head_dim", int(_value(config, "head_dim", hidden // heads))),  # MLA: q's head
         ffn_hidden_size=int(config["intermediate_size"]),
         norm_eps=float(_value(config, "rms_norm_eps", 1e-6)),
         max_position_embeddings=int(_value(config, "max_position_embeddings", 4096)),
@@ -420,7 +441,9 @@ def rules(arch: ModelArch) -> Iterator[Rule]:
         attn, mlp = hf + "self_attn.", hf + "mlp."
         if arch.input_norms:
             yield Rule(mc + "input_layernorm.weight", (hf + "input_layernorm.weight",), "replicated")
-        if arch.fused_qkv:
+        if arch.mla:
+            yield from _latent_attention_rules(arch.mla, attn, mc + "self_attention.")
+        elif arch.fused_qkv:
             yield Rule(mc + "self_attention.linear_qkv.weight", (attn + "qkv_proj.weight",), "qkv")
         else:
             yield Rule(mc + "self_attention.linear_qkv.weight", tuple(f"{attn}{p}_proj.weight" for p in "qkv"), "qkv")
@@ -450,6 +473,20 @@ def rules(arch: ModelArch) -> Iterator[Rule]:
     yield Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated")
     if not arch.tied_embeddings:
         yield Rule("output_layer.weight", ("lm_head.weight",), "dim0")
+
+
+def _latent_attention_rules(mla: LatentAttention, hf: str, mc: str) -> Iterator[Rule]:
+    """MLA's projections and its two latent norms: the kv down projection whole on every TP rank (`model._layer_specs`
+    says why), the others column-parallel (q's down projection gathered after)."""
+    if mla.q_rank is None:
+        yield Rule(mc + "linear_q_proj.weight", (hf + "q_proj.weight",), "dim0")
+    else:
+        yield Rule(mc + "linear_q_down_proj.weight", (hf + "q_a_proj.weight",), "dim0")
+        yield Rule(mc + "q_layernorm.weight", (hf + "q_a_layernorm.weight",), "replicated")
+        yield Rule(mc + "linear_q_up_proj.weight", (hf + "q_b_proj.weight",), "dim0")
+    yield Rule(mc + "linear_kv_down_proj.weight", (hf + "kv_a_proj_with_mqa.weight",), "replicated")
+    yield Rule(mc + "kv_layernorm.weight", (hf + "kv_a_layernorm.weight",), "replicated")
+    yield Rule(mc + "linear_kv_up_proj.weight", (hf + "kv_b_proj.weight",), "dim0")
 
 
 def _expert_rules(arch: ModelArch, hf: str, mc: str) -> Iterator[Rule]:
@@ -544,6 +581,7 @@ def check_tensor_parallel(arch: ModelArch, tp: int) -> None:
         *((("moe_intermediate_size", arch.moe_ffn_hidden_size),) if arch.num_experts else ()),
         *((("shared_expert_intermediate_size", arch.moe_shared_ffn_hidden_size),)
           if arch.moe_shared_ffn_hidden_size else ()),  # fmt: skip
+        *((("q_lora_rank", arch.mla.q_rank or 0),) if arch.mla else ()),
     ):
         if n % tp:
             raise InvalidRequest(f"tensor_parallel_size {tp} must divide the model's {what} ({n})")

@@ -25,7 +25,7 @@ from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS
 
 HERE = Path(__file__).parent
 MOE_MODELS = sorted(name for name, spec in FAMILY_TINY_MODELS.items() if spec["family"] in ("qwen3_moe", "qwen2_moe",
-                                                                                           "mixtral", "glm4_moe"))
+                                                                                           "mixtral", "glm4_moe", "deepseek_v3"))
 TOLERANCE = 1e-5  # fp32 against float64 or NumPy
 # fp32 router logits, probabilities, layer outputs and logits (values up to ~7) against transformers': measured
 # <= 5.3e-6; the rounding differs by up to 2x between CPUs (parity.py)
@@ -73,7 +73,8 @@ def results(moe_models: dict[str, Path]):
 
 
 def test_the_moe_tiny_models_cover_every_moe_family_and_every_routing() -> None:
-    assert MOE_MODELS == ["glm4-moe", "mixtral", "qwen2-moe", "qwen3-moe", "qwen3-moe-mixed"]
+    assert MOE_MODELS == ["deepseek-v3", "glm4-moe", "mixtral", "moonlight", "qwen2-moe", "qwen3-moe",
+                          "qwen3-moe-mixed"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -202,7 +203,9 @@ def test_sequence_parallel_moe_gradients_at_tp2_equal_tp1(moe_models: dict[str, 
         one, two = torch.load(outs[1] / name), torch.load(outs[2] / name)
         assert set(one["grads"]) == set(two["grads"])
         worst = max((one["grads"][n] - two["grads"][n]).abs().max().item() for n in one["grads"])
-        assert worst <= 1e-6, (name, worst)  # measured <= 4.7e-7 (grads up to 0.44)
+        # measured <= 4.7e-7 (grads up to 0.44), 1.4e-6 on DeepSeek-V3's embedding (grads up to 0.64, the 512-wide kv
+        # latent); the shared rotated key's gradient summed over one rank's heads only was 0.16 off
+        assert worst <= 3e-6, (name, worst)
         assert abs(one["ce"] - two["ce"]) <= 1e-4 and one["tokens"] == two["tokens"], (name, one["ce"], two["ce"])
         assert abs(one["metric"] - two["metric"]) <= 1e-6, (name, one["metric"], two["metric"])
 
@@ -256,7 +259,7 @@ def test_routing_replay_runs_each_moe_layer_on_the_recorded_experts(moe_models: 
         assert r["replay_effect"] > 0.1, r  # the replay decides which experts run
         assert 0.2 < r["changed_fraction"] < 1 and 0 < r["changed_fraction_replayed"] < 1, r
         # GLM-4.5's fixed expert bias stays fp32 under bf16 (the others have none)
-        assert r["bf16_bias_exact"] is (True if r["model"] == "glm4-moe" else None), r
+        assert r["bf16_bias_exact"] is (True if r["model"] in ("deepseek-v3", "glm4-moe", "moonlight") else None), r
 
 
 def grpo_rows() -> list[dict]:

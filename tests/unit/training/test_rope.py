@@ -60,3 +60,26 @@ def test_plain_rope_angles_equal_megatrons_table() -> None:
     freqs = rope.get_freqs_non_repeated(4)
     table = torch.cat((freqs, freqs), dim=-1)  # its `get_emb` (on the accelerator, where it moves inv_freq)
     assert torch.equal(rope_angles(rope.inv_freq, positions)[:, 0, 0], table[positions[0]])
+
+
+def test_latent_rope_gives_deepseek_v3s_yarn_cos_and_sin_at_each_documents_positions() -> None:
+    """MLA's RoPE module (`LatentRope`): angles over the rope dims at the current position ids (restarting per packed
+    document) and yarn's attention factor as megatron's `mscale`, so cos * mscale and sin * mscale are transformers'
+    DeepSeek-V3 cos and sin for each document alone."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+    from scalarlm.training.model import LatentRope, yarn_inv_freq
+    from tests.unit.training.test_deepseek_family import DEEPSEEK_V3, _arch
+
+    arch = _arch(DEEPSEEK_V3)
+    hf = DeepseekV3RotaryEmbedding(DeepseekV3Config(**{k: v for k, v in DEEPSEEK_V3.items() if k != "architectures"}))
+    positions = torch.cat([torch.arange(7), torch.arange(300)])[None]  # the second past the original 128 positions
+    module = LatentRope(yarn_inv_freq(arch), lambda: positions, arch.yarn_rope[4])
+    angles, mscale = module(positions.shape[1])
+    assert angles.shape == (307, 1, 1, arch.mla.rope_dim)  # [S, B, 1, rope dims]
+    for start, length in ((0, 7), (7, 300)):
+        cos, sin = hf(torch.zeros(1, length, 8), torch.arange(length)[None])
+        doc = angles[start : start + length, 0, 0]
+        torch.testing.assert_close(torch.cos(doc) * mscale, cos[0], atol=2e-6, rtol=0)
+        torch.testing.assert_close(torch.sin(doc) * mscale, sin[0], atol=2e-6, rtol=0)

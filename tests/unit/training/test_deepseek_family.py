@@ -1,0 +1,103 @@
+"""DeepSeek-V3 (multi-latent attention + sigmoid-routed experts) without torch: what it reads from the config, its
+MLA tensor rules, what it refuses (naming the field), and the TP split it needs."""
+
+from __future__ import annotations
+
+import pytest
+
+from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.training.families import BY_NAME, check_tensor_parallel, hf_tensor_names, read_arch, rules
+from scalarlm.training.families.spec import LatentAttention, ModelArch
+
+# DeepSeek-V3's fields, scaled down (V3: 128 heads, q/kv latents 1536/512, 128 + 64 q/k dims, v 128, yarn 40 x 4K).
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 512, "hidden_size": 256, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 512, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False, "hidden_act": "silu", "q_lora_rank": 64, "kv_lora_rank": 64,
+    "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 32, "head_dim": 32, "rope_interleave": True,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "n_shared_experts": 1,
+    "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+    "num_nextn_predict_layers": 1, "max_position_embeddings": 1024, "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "rope_scaling": {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8},
+}  # fmt: skip
+
+
+def _names(config: dict) -> list[str]:
+    """Exactly the tensor names the rules of `config`'s shape map."""
+    first = BY_NAME["deepseek_v3"].extra(config)
+    probe = ModelArch(family="probe", vocab_size=1, hidden_size=1, num_layers=config["num_hidden_layers"],
+                      num_heads=1, num_kv_heads=1, ffn_hidden_size=1, norm_eps=0.0, rope_theta=0.0,
+                      max_position_embeddings=1, tied_embeddings=False, **first)  # fmt: skip
+    return hf_tensor_names(probe)
+
+
+def _arch(config: dict) -> ModelArch:
+    return read_arch(config, _names(config))
+
+
+def test_reads_the_latent_attention_shape_yarn_and_the_routing() -> None:
+    arch = _arch(DEEPSEEK_V3)
+    assert arch.family == "deepseek_v3"
+    assert arch.mla == LatentAttention(q_rank=64, kv_rank=64, nope_dim=32, rope_dim=32, v_dim=32, mscale_all_dim=0.8)
+    # q's head (no-RoPE dims then rotated ones), not HF's `head_dim` (the rope dims); RoPE over the rope dims only
+    assert (arch.head_dim, arch.rotary_dim, arch.num_kv_heads, arch.rotary_interleaved) == (64, 32, 4, False)
+    factor, _, _, original, attention, _ = arch.yarn_rope
+    assert (factor, original) == (8.0, 128) and attention == pytest.approx((0.1 * 2.0794 + 1) / (0.08 * 2.0794 + 1),
+                                                                           rel=1e-4)  # fmt: skip
+    # YaRN's attention factor scales MLA's rotated dims (megatron's mscale), not the softmax (the no-RoPE dims keep
+    # their scale)
+    assert arch.attention_scale_factor(0) == 1.0
+    assert (arch.num_experts, arch.moe_sigmoid, arch.moe_groups, arch.moe_scaling, arch.mtp_layers) == (
+        4, True, (2, 1), 2.5, 1)  # fmt: skip
+    assert arch.moe_layers == (False, True, True) and arch.moe_shared_name == "shared_experts"
+
+
+def test_latent_attention_rules_map_every_projection_and_both_latent_norms() -> None:
+    by_mcore = {r.mcore: r for r in rules(_arch(DEEPSEEK_V3))}
+    attn, hf = "decoder.layers.1.self_attention.", "model.layers.1.self_attn."
+    expected = {"linear_q_down_proj.weight": ("q_a_proj", "dim0"), "q_layernorm.weight": ("q_a_layernorm", "replicated"),
+                "linear_q_up_proj.weight": ("q_b_proj", "dim0"),
+                "linear_kv_down_proj.weight": ("kv_a_proj_with_mqa", "replicated"),
+                "kv_layernorm.weight": ("kv_a_layernorm", "replicated"), "linear_kv_up_proj.weight": ("kv_b_proj", "dim0"),
+                "linear_proj.weight": ("o_proj", "dim1")}  # fmt: skip
+    for mcore, (name, kind) in expected.items():
+        assert (by_mcore[attn + mcore].hf, by_mcore[attn + mcore].kind) == ((f"{hf}{name}.weight",), kind)
+    assert not any("linear_qkv" in name for name in by_mcore)
+    # DeepSeek-V2-Lite's layout: no q latent, one q_proj
+    lite = {**DEEPSEEK_V3, "q_lora_rank": None}
+    lite_rules = {r.mcore: r.hf for r in rules(_arch(lite))}
+    assert lite_rules[attn + "linear_q_proj.weight"] == (hf + "q_proj.weight",)
+    assert attn + "q_layernorm.weight" not in lite_rules and _arch(lite).mla.q_rank is None
+
+
+def test_the_mtp_layer_is_skipped_and_missing_latent_tensors_refused() -> None:
+    names = _names(DEEPSEEK_V3)
+    read_arch(DEEPSEEK_V3, [*names, "model.layers.3.eh_proj.weight", "model.layers.3.self_attn.q_a_proj.weight"])
+    with pytest.raises(InvalidRequest, match=r"lacks 1 tensor.*kv_a_layernorm"):
+        read_arch(DEEPSEEK_V3, [n for n in names if n != "model.layers.2.self_attn.kv_a_layernorm.weight"])
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"rope_interleave": False}, "rope_interleave=false is not supported"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads 2 must equal num_attention_heads 4"),
+    ({"norm_topk_prob": False}, "norm_topk_prob=false"),
+    ({"scoring_func": "softmax"}, "scoring_func 'softmax' with topk_method 'noaux_tc'"),
+    ({"topk_method": None}, "scoring_func 'sigmoid' with topk_method None"),
+    ({"attention_bias": True}, "attention_bias=true"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic' is not supported for deepseek_v3"),
+    ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}, r"quantized \(quantization_config: fp8\).*"
+                                                                       "dequantize it first"),
+    ({"architectures": ["DeepseekV2ForCausalLM"]}, "DeepSeek-V2's softmax routing is not supported"),
+])  # fmt: skip
+def test_refusals_name_the_field(change: dict, message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message):
+        read_arch({**DEEPSEEK_V3, **change}, _names(DEEPSEEK_V3))
+
+
+def test_tensor_parallel_splits_the_q_latent_not_the_kv_one() -> None:
+    check_tensor_parallel(_arch(DEEPSEEK_V3), 2)
+    check_tensor_parallel(_arch({**DEEPSEEK_V3, "kv_lora_rank": 63}), 2)  # the kv down projection stays whole
+    with pytest.raises(InvalidRequest, match=r"q_lora_rank \(63\)"):  # q's splits by rows
+        check_tensor_parallel(_arch({**DEEPSEEK_V3, "q_lora_rank": 63}), 2)
