@@ -95,6 +95,16 @@ def longrope_switch(config: dict, max_model_len: int) -> str | None:
             f"to serve as they do")  # fmt: skip
 
 
+def cpu_rotary_args(config: dict, device: Device) -> list[str]:
+    """vLLM flags that keep a multi-latent attention model (DeepSeek-V3, Moonlight: `kv_lora_rank`) exact on CPU.
+    vLLM 0.32.0's CPU rotary kernel mis-rotates MLA's [tokens, heads, rope dims] queries (probed: greedy tokens differ
+    from transformers' from the first one on; yarn's rotary class is plain PyTorch and unaffected), so on CPU the
+    rotary op runs vLLM's PyTorch path instead (every other custom op as before)."""
+    if device != "cpu" or not config.get("kv_lora_rank"):
+        return []
+    return ["--compilation-config", json.dumps({"custom_ops": ["all", "-rotary_embedding"]})]
+
+
 def lora_enabled(settings: Settings, device: Device) -> bool:
     """Whether the engine gets LoRA slots: `engine.enable_lora`, except for a mixture-of-experts model on CPU. vLLM
     0.32.0's LoRA wrapper of the fused-MoE layer runs Triton kernels, which the CPU build lacks: the EngineCore died
@@ -129,6 +139,7 @@ def serve_cli_args(settings: Settings, device: Device | None = None) -> list[str
     ]  # fmt: skip
     if eng.enforce_eager:
         argv.append("--enforce-eager")
+    argv += cpu_rotary_args(checkpoint_config(settings.model) or {}, device)
     if lora_enabled(settings, device):
         argv += ["--enable-lora", "--max-loras", str(eng.max_loras), "--max-lora-rank", str(eng.max_lora_rank)]
     if eng.tool_call_parser is not None:

@@ -25,8 +25,9 @@ from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS
 pytestmark = pytest.mark.slow
 
 FAMILIES = ["qwen3", "qwen3-yarn", "llama3", "phi3", "phi4-mini", "smollm3", "mistral", "gemma2", "gemma3", "olmo2",
-            "olmo3", "granite", "glm", "glm4", "qwen3-moe", "qwen2-moe", "mixtral", "glm4-moe"]  # fmt: skip
-MOE = {"qwen3-moe", "qwen2-moe", "mixtral", "glm4-moe"}  # LoRA refused (no MoE adapter rule yet)
+            "olmo3", "granite", "glm", "glm4", "qwen3-moe", "qwen2-moe", "mixtral", "glm4-moe",
+            "deepseek-v3", "moonlight"]  # fmt: skip
+MOE = {"qwen3-moe", "qwen2-moe", "mixtral", "glm4-moe", "deepseek-v3", "moonlight"}  # LoRA refused (no MoE adapter rule yet)
 GRPO_FAMILIES = {"qwen3", *MOE}
 PROMPTS = ["What is the capital of France?", "What do bees make?", "What colour is the sky?"]
 FACTS = [{"input": p, "output": o} for p, o in zip(PROMPTS, [" Paris", " honey", " blue"])]
@@ -92,7 +93,7 @@ def test_sft_job_is_served_like_transformers(family_server: tuple[str, str, Path
         from scalarlm.protocol.errors import InvalidRequest
 
         llm = scalarlm.ScalarLM(api_url=url, timeout=600)
-        refused = "adapter_type 'lora' is not supported for (qwen[23]_moe|mixtral|glm4_moe)"
+        refused = "adapter_type 'lora' is not supported for (qwen[23]_moe|mixtral|glm4_moe|deepseek_v3)"
         with pytest.raises(InvalidRequest, match=refused) as e:
             llm.train(FACTS, train_args={**TRAIN, "adapter_type": "lora"})
         assert e.value.param == "train_args"

@@ -89,3 +89,16 @@ def test_split_adds_up_with_headroom(tmp_path):
 def test_default_device_is_vllms_platform(tmp_path):
     """With no device given, the argv follows vLLM's current platform (CPU on this box)."""
     assert serve_cli_args(_settings(tmp_path)) == serve_cli_args(_settings(tmp_path), device=engine_device())
+
+
+def test_a_latent_attention_model_on_cpu_rotates_with_vllms_pytorch_path(tmp_path):
+    """vLLM's CPU rotary kernel mis-rotates MLA's queries: an MLA checkpoint (`kv_lora_rank`) on CPU gets the rotary
+    op off its custom ops (the served tokens = transformers': `test_family_serving.py`'s moonlight); other models and
+    accelerators keep vLLM's defaults."""
+    import json
+
+    assert "--compilation-config" not in serve_cli_args(_settings(tmp_path), device="cpu")  # no config.json
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 512}))
+    assert "--compilation-config" not in serve_cli_args(_settings(tmp_path), device="accelerator")
+    args = _engine_args(_settings(tmp_path), "cpu")
+    assert args.compilation_config.custom_ops == ["all", "-rotary_embedding"]
