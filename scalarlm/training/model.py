@@ -407,13 +407,13 @@ def _model_rope(model: torch.nn.Module, arch: ModelArch) -> None:
 
 
 def _latent_rope(model: torch.nn.Module, arch: ModelArch) -> None:
-    """Every MLA layer rotates at the model's current position ids, with HF's inverse frequencies over the rope dims."""
-    dim = arch.rotary_dim
-    inv_freq = yarn_inv_freq(arch) if arch.yarn_rope else \
-        1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))  # fmt: skip
-    factor = arch.yarn_rope[4] if arch.yarn_rope else None
+    """Every MLA layer rotates at the model's current position ids over the rope dims: with the inverse frequencies of
+    megatron's plain table (the dense path's too), or with yarn's as transformers computes them."""
+    yarn, factor = (yarn_inv_freq(arch), arch.yarn_rope[4]) if arch.yarn_rope else (None, None)
     for layer in model.decoder.layers:
-        layer.self_attention.rotary_pos_emb = LatentRope(inv_freq, lambda: model.current_position_ids, factor)
+        attention = layer.self_attention
+        inv_freq = attention.rotary_pos_emb.inv_freq if yarn is None else yarn
+        attention.rotary_pos_emb = LatentRope(inv_freq, lambda: model.current_position_ids, factor)
 
 
 def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool = True, recompute: bool = False,
