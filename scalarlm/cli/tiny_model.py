@@ -21,10 +21,11 @@ logger = logging.getLogger(__name__)
 
 # `--family` names: the trainer's families (scalarlm.training.families) plus llama3 (Llama with llama3 RoPE).
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "olmo2", "olmo3",
-            "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe", "deepseek_v3")  # fmt: skip
+            "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
+            "deepseek_v2")  # fmt: skip
 Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "olmo2",
                  "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe",
-                 "deepseek_v3"]  # fmt: skip
+                 "deepseek_v3", "deepseek_v2"]  # fmt: skip
 # Mixture-of-experts tiny models: 4 experts, 2 per token, each expert's intermediate size hidden / 2.
 TINY_EXPERTS, TINY_TOPK = 4, 2
 # Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3, Gemma).
@@ -204,6 +205,21 @@ def _family_config(
                                              moe_intermediate_size=hidden // 2, n_shared_experts=1,
                                              first_k_dense_replace=1, n_group=2, topk_group=1,
                                              routed_scaling_factor=2.5, norm_topk_prob=True, rope_parameters=yarn,
+                                             attention_bias=False, **common)  # fmt: skip
+    if family == "deepseek_v2":
+        # DeepSeek-V2-Lite's fields shrunk: multi-latent attention without a q latent (one q_proj), the kv latent and
+        # rope dims at 512 + 64, yarn with mscale = mscale_all_dim (V2-Lite: 0.707, factor 40 over 4K: no factor on
+        # the rotated dims, the softmax scaled), a dense first layer, two shared experts, softmax routing: the top k
+        # of every expert's probability (`greedy`, one group), not renormalised.
+        yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 128,
+                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}  # fmt: skip
+        return transformers.DeepseekV2Config(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=32,
+                                             qk_rope_head_dim=64, v_head_dim=32, scoring_func="softmax",
+                                             topk_method="greedy", n_group=1, topk_group=1,
+                                             n_routed_experts=TINY_EXPERTS, num_experts_per_tok=TINY_TOPK,
+                                             moe_intermediate_size=hidden // 2, n_shared_experts=2,
+                                             first_k_dense_replace=1, routed_scaling_factor=1.0,
+                                             norm_topk_prob=False, moe_layer_freq=1, rope_parameters=yarn,
                                              attention_bias=False, **common)  # fmt: skip
     if family == "glm4":
         # GLM-4-0414's fields: RoPE on half of each head, adjacent pairs rotated; q/k/v biases; output norms.
@@ -391,6 +407,7 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
     "moonlight": dict(family="deepseek_v3", hidden=256, heads=4, kv_heads=4, layers=3, seed=25,
                       config_overrides={"q_lora_rank": None,
                                         "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}}),
+    "deepseek-v2-lite": dict(family="deepseek_v2", hidden=256, heads=4, kv_heads=4, layers=3, seed=26),
     "granite": dict(family="granite", hidden=256, heads=4, kv_heads=2, seed=17),
     "glm": dict(family="glm", hidden=256, heads=4, kv_heads=2, seed=20),
     "glm4": dict(family="glm4", hidden=256, heads=4, kv_heads=2, seed=19),

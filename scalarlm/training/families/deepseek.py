@@ -1,5 +1,6 @@
 """DeepSeek-V3 (`DeepseekV3ForCausalLM`: DeepSeek-V3, V3.1, R1, Moonlight and their bf16 re-releases): multi-latent
-attention (MLA) and GLM-4.5's routing.
+attention (MLA) and GLM-4.5's routing; DeepSeek-V2 (`DeepseekV2ForCausalLM`: V2-Lite, Coder-V2-Lite): the same
+attention, softmax routing.
 
 MLA (megatron-core's `MLASelfAttention` on the local spec): q from `q_a_proj` -> `q_a_layernorm` -> `q_b_proj` (one
 `q_proj` when `q_lora_rank` is null); `kv_a_proj_with_mqa` gives a shared latent and one rotated key for every head,
@@ -7,7 +8,9 @@ the latent goes through `kv_a_layernorm` and `kv_b_proj` to each head's [k witho
 `qk_nope_head_dim` dims without RoPE then `qk_rope_head_dim` rotated ones; RoPE rotates adjacent pairs
 (`rope_interleave`, which megatron's MLA always assumes: a config that turns it off is refused). YaRN scales only
 the rotated dims (cos and sin times its attention factor) and the softmax by `mscale_all_dim`'s term, as
-transformers does. The experts: `moe.sigmoid_experts`. LoRA: refused, as on every MoE family.
+transformers does. The experts: `moe.sigmoid_experts` (V3), `moe.softmax_experts` (V2). V2's transformers code
+rotates each adjacent pair as one complex number, the same rotation as V3's interleaved RoPE (V2 has no
+`rope_interleave` field). LoRA: refused, as on every MoE family.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from scalarlm.protocol.errors import InvalidRequest
-from scalarlm.training.families.moe import LORA_REFUSAL, sigmoid_experts
+from scalarlm.training.families.moe import LORA_REFUSAL, sigmoid_experts, softmax_experts
 from scalarlm.training.families.spec import Family, LatentAttention, rope_parameters
 
 
@@ -27,12 +30,6 @@ def _latent_attention(config: dict[str, Any]) -> dict[str, Any]:
     if int(config.get("num_key_value_heads") or heads) != heads:
         raise InvalidRequest(f"num_key_value_heads {config['num_key_value_heads']} must equal num_attention_heads "
                              f"{heads} for multi-latent attention", param="model")  # fmt: skip
-    routing = (config.get("scoring_func"), config.get("topk_method"))
-    if routing != ("sigmoid", "noaux_tc"):
-        # transformers' DeepSeek-V3 always routes so; vLLM reads these fields (softmax when absent)
-        raise InvalidRequest(f"scoring_func {routing[0]!r} with topk_method {routing[1]!r}: DeepSeek-V3 routing is "
-                             "scoring_func 'sigmoid' with topk_method 'noaux_tc' (as transformers runs it; vLLM reads "
-                             "these fields and serves another routing without them)", param="model")  # fmt: skip
     params, _ = rope_parameters(config)
     scaled = (params.get("rope_type") or "default") != "default"
     q_rank = config.get("q_lora_rank")
@@ -47,12 +44,32 @@ def _latent_attention(config: dict[str, Any]) -> dict[str, Any]:
     return {"mla": mla, "head_dim": mla.nope_dim + mla.rope_dim}
 
 
+def _v3_experts(config: dict[str, Any]) -> dict[str, Any]:
+    routing = (config.get("scoring_func"), config.get("topk_method"))
+    if routing != ("sigmoid", "noaux_tc"):
+        # transformers' DeepSeek-V3 always routes so; vLLM reads these fields (softmax when absent)
+        raise InvalidRequest(f"scoring_func {routing[0]!r} with topk_method {routing[1]!r}: DeepSeek-V3 routing is "
+                             "scoring_func 'sigmoid' with topk_method 'noaux_tc' (as transformers runs it; vLLM reads "
+                             "these fields and serves another routing without them)", param="model")  # fmt: skip
+    return sigmoid_experts(config)
+
+
 DEEPSEEK_V3 = Family(
     name="deepseek_v3",
     architectures=("DeepseekV3ForCausalLM",),
     rope_types=frozenset({"default", "yarn"}),
-    extra=lambda config: {**_latent_attention(config), **sigmoid_experts(config)},
+    extra=lambda config: {**_latent_attention(config), **_v3_experts(config)},
     lora_refusal=LORA_REFUSAL,
     notes="DeepSeek-V3: multi-latent attention (yarn on the rope dims), sigmoid-routed MoE with a fixed expert bias, "
           "group-limited top k and shared experts",
+)
+
+DEEPSEEK_V2 = Family(
+    name="deepseek_v2",
+    architectures=("DeepseekV2ForCausalLM",),
+    rope_types=frozenset({"default", "yarn"}),
+    extra=lambda config: {**_latent_attention(config), **softmax_experts(config)},
+    lora_refusal=LORA_REFUSAL,
+    notes="DeepSeek-V2: multi-latent attention (yarn on the rope dims), softmax-routed MoE (greedy or group-limited "
+          "top k, not renormalised) with shared experts",
 )

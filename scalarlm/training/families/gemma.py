@@ -120,6 +120,4 @@ REFUSED = (
             "train the text model (Gemma3ForCausalLM)"),  # fmt: skip
     Refused(("PhimoeForCausalLM",),
             "this mixture-of-experts family is not supported yet (Qwen3-MoE, Qwen2-MoE and Mixtral are)"),  # fmt: skip
-    Refused(("DeepseekV2ForCausalLM",), "DeepSeek-V2's softmax routing is not supported yet (DeepSeek-V3, "
-                                        "DeepseekV3ForCausalLM, is)"),  # fmt: skip
 )

@@ -82,35 +82,69 @@ def _mixtral(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def sigmoid_experts(config: dict[str, Any]) -> dict[str, Any]:
-    """GLM-4.5's and DeepSeek-V3's experts: dense layers below `first_k_dense_replace`, sigmoid routing with the fixed
-    expert bias, group-limited top k and `routed_scaling_factor`, an ungated shared expert (`n_shared_experts` x the
-    expert size); multi-token-prediction layers after the last one skipped."""
-    if config.get("norm_topk_prob") is False:
-        raise InvalidRequest("norm_topk_prob=false with sigmoid routing is not supported (megatron renormalises the "
-                             "chosen scores)", param="model")  # fmt: skip
+def _deepseek_experts(config: dict[str, Any], group_rank: int, ranked: str) -> dict[str, Any]:
+    """What DeepSeek-V2's, DeepSeek-V3's and GLM-4.5's experts share: `n_routed_experts`, group-limited top k (a
+    group ranked by its top `group_rank` scores in transformers, by its top k / `topk_group` in megatron: the two
+    agree only when that quotient is `group_rank`), dense layers below `first_k_dense_replace`,
+    `routed_scaling_factor`, an ungated shared expert (`n_shared_experts` x the expert size), and the
+    multi-token-prediction layers after the last one (skipped)."""
     experts, topk = int(config.get("n_routed_experts") or 0), int(config.get("num_experts_per_tok") or 0)
     if experts < 1 or not 1 <= topk <= experts:
         raise InvalidRequest(f"n_routed_experts={experts} with num_experts_per_tok={topk} is not a top-k mixture of "
                              "experts", param="model")  # fmt: skip
     groups, kept = int(config.get("n_group") or 1), int(config.get("topk_group") or 1)
-    if groups > 1 and (experts % groups or not 1 <= kept <= groups or topk // kept != 2):
-        # transformers ranks a group by its top 2 scores, megatron by its top (k / groups kept)
+    if groups > 1 and (experts % groups or not 1 <= kept <= groups or topk // kept != group_rank):
         raise InvalidRequest(f"n_group={groups}, topk_group={kept} with num_experts_per_tok={topk}: group-limited "
-                             "routing needs n_group to divide the experts and num_experts_per_tok / topk_group = 2",
-                             param="model")  # fmt: skip
+                             f"routing needs n_group to divide the experts and num_experts_per_tok // topk_group = "
+                             f"{group_rank} ({ranked}; megatron ranks it by its top num_experts_per_tok // "
+                             "topk_group)", param="model")  # fmt: skip
+    if int(config.get("moe_layer_freq") or 1) != 1:
+        raise InvalidRequest(f"moe_layer_freq={config['moe_layer_freq']} is not supported (every layer from "
+                             "first_k_dense_replace on is sparse)", param="model")  # fmt: skip
     layers, dense = int(config["num_hidden_layers"]), int(config.get("first_k_dense_replace", 1) or 0)
     size = int(config["moe_intermediate_size"])
     return {
-        "num_experts": experts, "moe_topk": topk, "moe_norm_topk": True, "moe_ffn_hidden_size": size,
+        "num_experts": experts, "moe_topk": topk, "moe_ffn_hidden_size": size,
         "moe_layers": () if dense == 0 else tuple(i >= dense for i in range(layers)),
         "expert_names": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
         "moe_shared_ffn_hidden_size": size * int(config.get("n_shared_experts") or 0),
-        "moe_shared_name": "shared_experts",
-        "moe_sigmoid": True, "moe_groups": (groups, kept),
+        "moe_shared_name": "shared_experts", "moe_groups": (groups, kept),
         "moe_scaling": float(config.get("routed_scaling_factor") or 1.0),
         "mtp_layers": int(config.get("num_nextn_predict_layers") or config.get("num_mtp_layers") or 0),
     }  # fmt: skip
+
+
+def sigmoid_experts(config: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5's and DeepSeek-V3's experts (`_deepseek_experts`): sigmoid routing with the fixed expert bias, the
+    chosen scores renormalised."""
+    if config.get("norm_topk_prob") is False:
+        raise InvalidRequest("norm_topk_prob=false with sigmoid routing is not supported (megatron renormalises the "
+                             "chosen scores)", param="model")  # fmt: skip
+    ranked = "transformers ranks a group by its top 2 scores"
+    return {**_deepseek_experts(config, 2, ranked), "moe_norm_topk": True, "moe_sigmoid": True}
+
+
+def softmax_experts(config: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2's experts (`_deepseek_experts`): softmax over every expert, then the top k (`topk_method`
+    `greedy`, or `group_limited_greedy`: a group ranked by its best score), never renormalised (transformers does
+    not read `norm_topk_prob`; vLLM does, so it must be false); megatron's `moe_router_pre_softmax`."""
+    scoring, method = config.get("scoring_func") or "softmax", config.get("topk_method") or "greedy"
+    if scoring != "softmax" or method not in ("greedy", "group_limited_greedy"):
+        raise InvalidRequest(f"scoring_func {scoring!r} with topk_method {method!r}: DeepSeek-V2 routes by softmax "
+                             "with topk_method 'greedy' or 'group_limited_greedy' (as transformers runs it)",
+                             param="model")  # fmt: skip
+    if config.get("norm_topk_prob"):
+        raise InvalidRequest("norm_topk_prob=true is not supported for DeepSeek-V2 (transformers never renormalises "
+                             "the chosen scores, vLLM would)", param="model")  # fmt: skip
+    groups, kept = int(config.get("n_group") or 1), int(config.get("topk_group") or 1)
+    if method == "greedy":
+        if kept < groups:  # vLLM limits the groups whatever the method says
+            raise InvalidRequest(f"topk_method 'greedy' with n_group={groups}, topk_group={kept}: transformers "
+                                 "ignores the groups, vLLM does not; set topk_group = n_group or use "
+                                 "'group_limited_greedy'", param="model")  # fmt: skip
+        config = {**config, "n_group": 1, "topk_group": 1}
+    ranked = "transformers ranks a group by its best score"
+    return {**_deepseek_experts(config, 1, ranked), "moe_norm_topk": False, "moe_sigmoid": False}
 
 
 def _glm4_moe(config: dict[str, Any]) -> dict[str, Any]:

@@ -119,9 +119,11 @@ class ModelArch:
     moe_shared_gate: bool = False
     moe_shared_name: str = "shared_expert"
     moe_norm_topk: bool = True
-    # Sigmoid routing (GLM-4.5): the top k of sigmoid(logits) + a fixed per-expert bias (HF `e_score_correction_bias`,
-    # megatron's `expert_bias`, not trained) among the best `moe_groups[1]` of `moe_groups[0]` expert groups; the
-    # chosen sigmoid scores renormalised, times `moe_scaling` (HF `routed_scaling_factor`).
+    # Sigmoid routing (GLM-4.5, DeepSeek-V3): the top k of sigmoid(logits) + a fixed per-expert bias (HF
+    # `e_score_correction_bias`, megatron's `expert_bias`, not trained) among the best `moe_groups[1]` of
+    # `moe_groups[0]` expert groups; the chosen sigmoid scores renormalised, times `moe_scaling` (HF
+    # `routed_scaling_factor`). DeepSeek-V2 (not sigmoid, not renormalised): softmax, then the top k within the
+    # chosen groups, times `moe_scaling`.
     moe_sigmoid: bool = False
     moe_groups: tuple[int, int] = (1, 1)
     moe_scaling: float | None = None

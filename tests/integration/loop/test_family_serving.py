@@ -26,8 +26,9 @@ pytestmark = pytest.mark.slow
 
 FAMILIES = ["qwen3", "qwen3-yarn", "llama3", "phi3", "phi4-mini", "smollm3", "mistral", "gemma2", "gemma3", "olmo2",
             "olmo3", "granite", "glm", "glm4", "qwen3-moe", "qwen2-moe", "mixtral", "glm4-moe",
-            "deepseek-v3", "moonlight"]  # fmt: skip
-MOE = {"qwen3-moe", "qwen2-moe", "mixtral", "glm4-moe", "deepseek-v3", "moonlight"}  # LoRA refused (no MoE adapter rule yet)
+            "deepseek-v3", "moonlight", "deepseek-v2-lite"]  # fmt: skip
+# LoRA refused (no MoE adapter rule yet)
+MOE = {"qwen3-moe", "qwen2-moe", "mixtral", "glm4-moe", "deepseek-v3", "moonlight", "deepseek-v2-lite"}
 GRPO_FAMILIES = {"qwen3", *MOE}
 PROMPTS = ["What is the capital of France?", "What do bees make?", "What colour is the sky?"]
 FACTS = [{"input": p, "output": o} for p, o in zip(PROMPTS, [" Paris", " honey", " blue"])]
@@ -107,7 +108,7 @@ def test_sft_job_is_served_like_transformers(family_server: tuple[str, str, Path
         from scalarlm.protocol.errors import InvalidRequest
 
         llm = scalarlm.ScalarLM(api_url=url, timeout=600)
-        refused = "adapter_type 'lora' is not supported for (qwen[23]_moe|mixtral|glm4_moe|deepseek_v3)"
+        refused = "adapter_type 'lora' is not supported for (qwen[23]_moe|mixtral|glm4_moe|deepseek_v[23])"
         with pytest.raises(InvalidRequest, match=refused) as e:
             llm.train(FACTS, train_args={**TRAIN, "adapter_type": "lora"})
         assert e.value.param == "train_args"

@@ -1,5 +1,6 @@
-"""DeepSeek-V3 (multi-latent attention + sigmoid-routed experts) without torch: what it reads from the config, its
-MLA tensor rules, what it refuses (naming the field), and the TP split it needs."""
+"""DeepSeek-V3 (multi-latent attention + sigmoid-routed experts) and DeepSeek-V2 (the same attention, softmax-routed
+experts) without torch: what they read from the config, the MLA tensor rules, what they refuse (naming the field),
+and the TP split they need."""
 
 from __future__ import annotations
 
@@ -22,11 +23,24 @@ DEEPSEEK_V3 = {
     "rope_scaling": {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128, "beta_fast": 32,
                      "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8},
 }  # fmt: skip
+# DeepSeek-V2-Lite's fields, scaled down (V2-Lite: 16 heads, no q latent, kv latent 512, 128 + 64 q/k dims, 64 experts,
+# 6 per token, greedy softmax routing not renormalised, 2 shared experts, yarn 40 x 4K with mscale = mscale_all_dim).
+DEEPSEEK_V2_LITE = {
+    **{k: v for k, v in DEEPSEEK_V3.items() if k not in ("num_nextn_predict_layers", "rope_interleave")},
+    "architectures": ["DeepseekV2ForCausalLM"], "q_lora_rank": None, "n_shared_experts": 2, "n_group": 1,
+    "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": False, "scoring_func": "softmax",
+    "topk_method": "greedy", "moe_layer_freq": 1,
+    "rope_scaling": {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+}  # fmt: skip
+# DeepSeek-V2's group-limited routing where megatron's group rank equals transformers' (k / topk_group = 1).
+DEEPSEEK_V2_GROUPS = {**DEEPSEEK_V2_LITE, "n_routed_experts": 8, "num_experts_per_tok": 3, "n_group": 4,
+                      "topk_group": 2, "topk_method": "group_limited_greedy", "routed_scaling_factor": 16.0}
 
 
 def _names(config: dict) -> list[str]:
     """Exactly the tensor names the rules of `config`'s shape map."""
-    first = BY_NAME["deepseek_v3"].extra(config)
+    first = BY_NAME[{"DeepseekV2ForCausalLM": "deepseek_v2"}.get(config["architectures"][0], "deepseek_v3")].extra(config)
     probe = ModelArch(family="probe", vocab_size=1, hidden_size=1, num_layers=config["num_hidden_layers"],
                       num_heads=1, num_kv_heads=1, ffn_hidden_size=1, norm_eps=0.0, rope_theta=0.0,
                       max_position_embeddings=1, tied_embeddings=False, **first)  # fmt: skip
@@ -89,11 +103,47 @@ def test_the_mtp_layer_is_skipped_and_missing_latent_tensors_refused() -> None:
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic' is not supported for deepseek_v3"),
     ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}, r"quantized \(quantization_config: fp8\).*"
                                                                        "dequantize it first"),
-    ({"architectures": ["DeepseekV2ForCausalLM"]}, "DeepSeek-V2's softmax routing is not supported"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq=2 is not supported"),
 ])  # fmt: skip
 def test_refusals_name_the_field(change: dict, message: str) -> None:
     with pytest.raises(InvalidRequest, match=message):
         read_arch({**DEEPSEEK_V3, **change}, _names(DEEPSEEK_V3))
+
+
+def test_deepseek_v2_reads_the_same_attention_and_softmax_routing() -> None:
+    arch = _arch(DEEPSEEK_V2_LITE)
+    assert arch.family == "deepseek_v2"
+    assert arch.mla == LatentAttention(q_rank=None, kv_rank=64, nope_dim=32, rope_dim=32, v_dim=32,
+                                       mscale_all_dim=0.707)  # fmt: skip
+    assert (arch.head_dim, arch.rotary_dim, arch.attention_scale_factor(0)) == (64, 32, 1.0)
+    # mscale = mscale_all_dim: no factor on the rotated dims (the softmax's mscale_all_dim term stays, megatron's)
+    assert arch.yarn_rope[4] == pytest.approx(1.0)
+    # softmax over every expert, then the top k, not renormalised (megatron's pre-softmax), no expert bias
+    assert (arch.num_experts, arch.moe_topk, arch.moe_norm_topk, arch.moe_sigmoid) == (4, 2, False, False)
+    assert (arch.moe_groups, arch.moe_scaling, arch.mtp_layers) == ((1, 1), 1.0, 0)
+    assert arch.moe_shared_ffn_hidden_size == 2 * 128 and arch.moe_layers == (False, True, True)
+    assert not any("e_score_correction_bias" in name for name in _names(DEEPSEEK_V2_LITE))
+    grouped = _arch(DEEPSEEK_V2_GROUPS)
+    assert (grouped.moe_groups, grouped.moe_topk, grouped.moe_scaling) == ((4, 2), 3, 16.0)
+    # greedy with every group kept is greedy (V2-Lite's hub config says n_group 1, topk_group 1)
+    assert _arch({**DEEPSEEK_V2_LITE, "n_group": 2, "topk_group": 2}).moe_groups == (1, 1)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"norm_topk_prob": True}, "norm_topk_prob=true is not supported for DeepSeek-V2"),
+    ({"scoring_func": "sigmoid"}, "scoring_func 'sigmoid' with topk_method 'greedy'"),
+    ({"topk_method": "noaux_tc"}, "scoring_func 'softmax' with topk_method 'noaux_tc'"),
+    # transformers ignores the groups under `greedy`, vLLM limits them
+    ({"n_group": 2, "topk_group": 1}, "topk_method 'greedy' with n_group=2, topk_group=1"),
+    # DeepSeek-V2 / V2.5's own routing (6 of 160 experts, 3 of 8 groups): megatron ranks a group by its top 2
+    ({"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1},
+     r"num_experts_per_tok // topk_group = 1 \(transformers ranks a group by its best score"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq=2 is not supported"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic' is not supported for deepseek_v2"),
+])  # fmt: skip
+def test_deepseek_v2_refusals_name_the_field(change: dict, message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message):
+        read_arch({**DEEPSEEK_V2_LITE, **change}, _names(DEEPSEEK_V2_LITE))
 
 
 def test_tensor_parallel_splits_the_q_latent_not_the_kv_one() -> None:
