@@ -38,7 +38,8 @@ def forward_backward(model_dir: Path, recompute: bool) -> tuple[float, dict[str,
     with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
         loss = model(ids, torch.arange(64).expand(2, 64), mask, labels=ids).sum()
     loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, saved[0]
+    # frozen parameters (a router's fixed expert bias) have no gradient
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}, saved[0]
 
 
 def main() -> int:

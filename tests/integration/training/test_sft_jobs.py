@@ -224,15 +224,20 @@ def test_bad_row_fails_before_training_naming_the_line(jobs_root: Path, tiny_mod
     assert job.read_metrics() == []
 
 
-def test_gradient_checkpointing_recomputes_activations_with_the_same_gradients(tiny_model_dir: Path) -> None:
-    """In one forward + backward: the same loss and gradients, a fraction of the activations kept for backward."""
+@pytest.mark.parametrize("model", ["llama", "deepseek-v3"])
+def test_gradient_checkpointing_recomputes_activations_with_the_same_gradients(
+        model: str, tiny_model_dir: Path, family_models: dict[str, Path]) -> None:  # fmt: skip
+    """In one forward + backward: the same loss and gradients, a fraction of the activations kept for backward; also
+    with multi-latent attention (its RoPE module reads the model's position ids again in the recomputed forward),
+    sigmoid-routed experts and their frozen bias."""
     import subprocess
     import sys
 
     from trainer_jobs import mpi_env
 
     script = Path(__file__).with_name("recompute_check.py")
-    proc = subprocess.run([sys.executable, str(script), str(tiny_model_dir)], env=mpi_env(), capture_output=True,
+    model_dir = tiny_model_dir if model == "llama" else family_models[model]
+    proc = subprocess.run([sys.executable, str(script), str(model_dir)], env=mpi_env(), capture_output=True,
                           text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
