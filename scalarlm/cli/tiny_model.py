@@ -20,16 +20,16 @@ from typing import Literal
 logger = logging.getLogger(__name__)
 
 # `--family` names: the trainer's families (scalarlm.training.families) plus llama3 (Llama with llama3 RoPE).
-FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "olmo2", "olmo3",
-            "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3", "olmo2",
+            "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
             "deepseek_v2")  # fmt: skip
-Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "olmo2",
-                 "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe",
+Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3",
+                 "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe",
                  "deepseek_v3", "deepseek_v2"]  # fmt: skip
 # Mixture-of-experts tiny models: 4 experts, 2 per token, each expert's intermediate size hidden / 2.
 TINY_EXPERTS, TINY_TOPK = 4, 2
 # Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3, Gemma).
-TIED_BY_DEFAULT = frozenset({"qwen3", "llama3", "smollm3", "gemma2", "gemma3", "granite"})
+TIED_BY_DEFAULT = frozenset({"qwen3", "llama3", "smollm3", "gemma", "gemma2", "gemma3", "granite"})
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<unk>"]
 # vLLM's CPU attention kernels support only these head sizes.
@@ -161,6 +161,13 @@ def _family_config(
     if family == "phi3":
         return transformers.Phi3Config(resid_pdrop=0.0, embd_pdrop=0.0, original_max_position_embeddings=max_position,
                                        **common)  # fmt: skip
+    if family == "gemma":
+        # Gemma 1's fields (2B: multi-query attention, head_dim 256; 7B: multi-head): hub configs say the tanh GeLU as
+        # `hidden_activation` (vLLM and the trainer read it first); transformers 5 reads `hidden_act`, so both say it.
+        return transformers.GemmaConfig(head_dim=head_dim, attention_bias=False, hidden_act="gelu_pytorch_tanh",
+                                        hidden_activation="gelu_pytorch_tanh",
+                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                        **common)  # fmt: skip
     if family == "gemma2":
         # Gemma 2's alternating sliding/global layers and soft caps; caps small enough that tanh bends the tiny
         # model's scores and logits (Gemma 2 9B: 50 and 30), so a missing cap would show in the parity tests.
@@ -389,6 +396,7 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
     "phi3": dict(family="phi3", hidden=256, heads=4, kv_heads=2, seed=6),
     "phi4-mini": dict(family="phi3", hidden=256, heads=4, kv_heads=2, seed=18, max_position=4096,
                       config_overrides=PHI4_MINI),
+    "gemma": dict(family="gemma", hidden=256, heads=4, kv_heads=4, seed=27),  # Gemma 7B's multi-head attention
     "gemma2": dict(family="gemma2", hidden=256, heads=4, kv_heads=2, seed=12),
     "gemma3": dict(family="gemma3", hidden=256, heads=4, kv_heads=2, seed=8),
     "olmo2": dict(family="olmo2", hidden=256, heads=4, kv_heads=2, seed=13),

@@ -1,5 +1,5 @@
-"""Gemma 3 (text, `Gemma3ForCausalLM`), Gemma 2 (`Gemma2ForCausalLM`), and the recognised families the trainer
-refuses, each with the reason.
+"""Gemma 3 (text, `Gemma3ForCausalLM`), Gemma 2 (`Gemma2ForCausalLM`), Gemma 1 (`GemmaForCausalLM`), and the
+recognised families the trainer refuses, each with the reason.
 
 Gemma 3 differs from Llama in ways megatron-core 0.16.1 has no module for; `modules.py` adds them, driven by
 `ModelArch` fields: zero-centred `(1 + w)` RMSNorm computed in fp32 (all norms, q/k norms included), embeddings
@@ -8,7 +8,11 @@ one of them, not the pre-MLP norm), GeGLU with tanh GELU, attention scale `query
 per-layer sliding windows (`layer_types`) and a second RoPE base for the sliding layers; `linear` RoPE scaling
 (Gemma 3 4B+) on the global layers. Gemma 2 shares the norms, GeGLU, embedding scale and attention scalar, has no
 q/k norms and one RoPE base, alternates sliding and global layers, and soft-caps the attention scores and the final
-logits (`cap * tanh(x / cap)`, `attn_logit_softcap` / `final_logit_softcap`). Bidirectional attention is refused.
+logits (`cap * tanh(x / cap)`, `attn_logit_softcap` / `final_logit_softcap`). Gemma 1 (Gemma 2B/7B, 1.1, CodeGemma)
+is Llama's layers with Gemma's norms, embedding scale and GeGLU: no output norms, windows, caps or attention scalar
+(head_dim ** -0.5). Its hub configs say `hidden_act` "gelu" beside `hidden_activation` "gelu_pytorch_tanh" (the
+GeLU it was trained with); the trainer reads `hidden_activation` first, as vLLM does (transformers 5 reads only
+`hidden_act`). Bidirectional attention is refused.
 """
 
 from __future__ import annotations
@@ -91,6 +95,14 @@ def _windows(config: dict[str, Any], layers: int) -> tuple[int | None, ...]:
     return layer_type_windows(config, layers, True)
 
 
+def _gemma1_extra(config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 1: Gemma's norms and embedding scale, one plain RoPE base (`rope_types` refuses scaling)."""
+    if config.get("query_pre_attn_scalar") is not None:
+        raise InvalidRequest("query_pre_attn_scalar is not a Gemma 1 field (Gemma 2 and 3 have it); check "
+                             "`architectures`", param="model")  # fmt: skip
+    return _gemma_common(config)
+
+
 GEMMA3 = Family(
     name="gemma3",
     architectures=("Gemma3ForCausalLM",),
@@ -112,9 +124,15 @@ GEMMA2 = Family(
     notes="Gemma 2: (1 + w) norms, sandwich norms, GeGLU, alternating windows, attention and final soft-capping",
 )
 
+GEMMA = Family(
+    name="gemma",
+    architectures=("GemmaForCausalLM",),
+    activations=frozenset({"gelu_pytorch_tanh"}),
+    extra=_gemma1_extra,
+    notes="Gemma 1: (1 + w) norms, embeddings x sqrt(hidden), GeGLU (tanh)",
+)
+
 REFUSED = (
-    Refused(("GemmaForCausalLM",), "Gemma 1 is not implemented; Gemma 2 (Gemma2ForCausalLM) and Gemma 3 text "
-                                   "(Gemma3ForCausalLM) are supported"),  # fmt: skip
     Refused(("Gemma3ForConditionalGeneration",),
             "multimodal Gemma 3 (4B+) checkpoints carry vision towers the trainer does not keep; "
             "train the text model (Gemma3ForCausalLM)"),  # fmt: skip

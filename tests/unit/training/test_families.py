@@ -50,8 +50,8 @@ def test_family_modules_import_no_torch() -> None:
 
 
 def test_registry_names_every_family_once() -> None:
-    assert {f.name for f in FAMILY_LIST} == {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2",
-                                            "gemma3", "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral",
+    assert {f.name for f in FAMILY_LIST} == {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma",
+                                            "gemma2", "gemma3", "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral",
                                             "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
                                             "deepseek_v2"}
     assert all(FAMILIES[a] is f for f in FAMILY_LIST for a in f.architectures)
@@ -145,8 +145,8 @@ def test_fields_that_change_the_maths_are_refused_by_name(changes: dict, field: 
 
 
 def test_recognised_but_unsupported_families_say_why() -> None:
-    with pytest.raises(InvalidRequest, match=r"GemmaForCausalLM.*Gemma 1 is not implemented"):
-        arch_of("GemmaForCausalLM")
+    with pytest.raises(InvalidRequest, match=r"PhimoeForCausalLM.*mixture-of-experts family is not supported yet"):
+        arch_of("PhimoeForCausalLM")
     with pytest.raises(InvalidRequest, match=r"GPT2LMHeadModel.*supported: \[.*'LlamaForCausalLM'"):
         arch_of("GPT2LMHeadModel")
 
@@ -189,6 +189,28 @@ def test_gemma3_reads_its_norms_scales_windows_and_two_rope_bases() -> None:
         arch_of(**GEMMA3, rope_parameters={"full_attention": {"rope_type": "yarn"}, "sliding_attention": {}})
     with pytest.raises(InvalidRequest, match="hidden_act 'silu' is not supported for gemma3"):
         arch_of(**{**GEMMA3, "hidden_activation": None, "hidden_act": "silu"})
+
+
+# google/gemma-7b's config.json fields: the GeLU named twice (exact in `hidden_act`, the tanh one it was trained with
+# in `hidden_activation`, which vLLM and the trainer read first).
+GEMMA = {"architectures": ["GemmaForCausalLM"], "hidden_act": "gelu", "hidden_activation": "gelu_pytorch_tanh",
+         "head_dim": 64, "tie_word_embeddings": True, "rope_theta": 10000.0}  # fmt: skip
+
+
+def test_gemma1_reads_gemmas_norms_scale_and_tanh_geglu_and_nothing_of_gemma2() -> None:
+    arch = arch_of(**GEMMA)
+    assert arch.family == "gemma" and arch.activation == "gelu_tanh" and arch.norm_offset
+    assert not (arch.sandwich_norms or arch.qk_layernorm or arch.windows or arch.attn_logit_softcap)
+    assert arch.embedding_multiplier == BASE["hidden_size"] ** 0.5 and arch.softmax_scale == 64**-0.5
+    assert arch.rope_theta == 10000.0 and arch.tied_embeddings
+    with pytest.raises(InvalidRequest, match="hidden_act 'gelu' is not supported for gemma"):
+        arch_of(**{**GEMMA, "hidden_activation": None})  # transformers 5 would run exact GeLU, vLLM the tanh one
+    with pytest.raises(InvalidRequest, match="query_pre_attn_scalar is not a Gemma 1 field"):
+        arch_of(**GEMMA, query_pre_attn_scalar=256)
+    with pytest.raises(InvalidRequest, match="rope_type 'linear' is not supported for gemma"):
+        arch_of(**{**GEMMA, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    with pytest.raises(InvalidRequest, match="use_bidirectional_attention"):
+        arch_of(**GEMMA, use_bidirectional_attention=True)
 
 
 GEMMA2 = {"architectures": ["Gemma2ForCausalLM"], "hidden_activation": "gelu_pytorch_tanh", "head_dim": 64,
