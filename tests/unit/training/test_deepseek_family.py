@@ -7,52 +7,19 @@ from __future__ import annotations
 import pytest
 
 from scalarlm.protocol.errors import InvalidRequest
-from scalarlm.training.families import BY_NAME, check_tensor_parallel, hf_tensor_names, read_arch, rules
-from scalarlm.training.families.spec import LatentAttention, ModelArch
-
-# DeepSeek-V3's fields, scaled down (V3: 128 heads, q/kv latents 1536/512, 128 + 64 q/k dims, v 128, yarn 40 x 4K).
-DEEPSEEK_V3 = {
-    "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 512, "hidden_size": 256, "num_hidden_layers": 3,
-    "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 512, "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False, "hidden_act": "silu", "q_lora_rank": 64, "kv_lora_rank": 64,
-    "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 32, "head_dim": 32, "rope_interleave": True,
-    "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "n_shared_experts": 1,
-    "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
-    "num_nextn_predict_layers": 1, "max_position_embeddings": 1024, "scoring_func": "sigmoid",
-    "topk_method": "noaux_tc",
-    "rope_scaling": {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128, "beta_fast": 32,
-                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8},
-}  # fmt: skip
-# DeepSeek-V2-Lite's fields, scaled down (V2-Lite: 16 heads, no q latent, kv latent 512, 128 + 64 q/k dims, 64 experts,
-# 6 per token, greedy softmax routing not renormalised, 2 shared experts, yarn 40 x 4K with mscale = mscale_all_dim).
-DEEPSEEK_V2_LITE = {
-    **{k: v for k, v in DEEPSEEK_V3.items() if k not in ("num_nextn_predict_layers", "rope_interleave")},
-    "architectures": ["DeepseekV2ForCausalLM"], "q_lora_rank": None, "n_shared_experts": 2, "n_group": 1,
-    "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": False, "scoring_func": "softmax",
-    "topk_method": "greedy", "moe_layer_freq": 1,
-    "rope_scaling": {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128, "beta_fast": 32,
-                     "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
-}  # fmt: skip
-# DeepSeek-V2's group-limited routing where megatron's group rank equals transformers' (k / topk_group = 1).
-DEEPSEEK_V2_GROUPS = {**DEEPSEEK_V2_LITE, "n_routed_experts": 8, "num_experts_per_tok": 3, "n_group": 4,
-                      "topk_group": 2, "topk_method": "group_limited_greedy", "routed_scaling_factor": 16.0}
-
-
-def _names(config: dict) -> list[str]:
-    """Exactly the tensor names the rules of `config`'s shape map."""
-    first = BY_NAME[{"DeepseekV2ForCausalLM": "deepseek_v2"}.get(config["architectures"][0], "deepseek_v3")].extra(config)
-    probe = ModelArch(family="probe", vocab_size=1, hidden_size=1, num_layers=config["num_hidden_layers"],
-                      num_heads=1, num_kv_heads=1, ffn_hidden_size=1, norm_eps=0.0, rope_theta=0.0,
-                      max_position_embeddings=1, tied_embeddings=False, **first)  # fmt: skip
-    return hf_tensor_names(probe)
-
-
-def _arch(config: dict) -> ModelArch:
-    return read_arch(config, _names(config))
+from scalarlm.training.families import check_tensor_parallel, read_arch, rules
+from scalarlm.training.families.spec import LatentAttention
+from tests.unit.training.deepseek_configs import (
+    DEEPSEEK_V2_GROUPS,
+    DEEPSEEK_V2_LITE,
+    DEEPSEEK_V3,
+    deepseek_arch,
+    deepseek_names,
+)
 
 
 def test_reads_the_latent_attention_shape_yarn_and_the_routing() -> None:
-    arch = _arch(DEEPSEEK_V3)
+    arch = deepseek_arch(DEEPSEEK_V3)
     assert arch.family == "deepseek_v3"
     assert arch.mla == LatentAttention(q_rank=64, kv_rank=64, nope_dim=32, rope_dim=32, v_dim=32, mscale_all_dim=0.8)
     # q's head (no-RoPE dims then rotated ones), not HF's `head_dim` (the rope dims); RoPE over the rope dims only
@@ -69,7 +36,7 @@ def test_reads_the_latent_attention_shape_yarn_and_the_routing() -> None:
 
 
 def test_latent_attention_rules_map_every_projection_and_both_latent_norms() -> None:
-    by_mcore = {r.mcore: r for r in rules(_arch(DEEPSEEK_V3))}
+    by_mcore = {r.mcore: r for r in rules(deepseek_arch(DEEPSEEK_V3))}
     attn, hf = "decoder.layers.1.self_attention.", "model.layers.1.self_attn."
     expected = {"linear_q_down_proj.weight": ("q_a_proj", "dim0"), "q_layernorm.weight": ("q_a_layernorm", "replicated"),
                 "linear_q_up_proj.weight": ("q_b_proj", "dim0"),
@@ -81,13 +48,13 @@ def test_latent_attention_rules_map_every_projection_and_both_latent_norms() -> 
     assert not any("linear_qkv" in name for name in by_mcore)
     # DeepSeek-V2-Lite's layout: no q latent, one q_proj
     lite = {**DEEPSEEK_V3, "q_lora_rank": None}
-    lite_rules = {r.mcore: r.hf for r in rules(_arch(lite))}
+    lite_rules = {r.mcore: r.hf for r in rules(deepseek_arch(lite))}
     assert lite_rules[attn + "linear_q_proj.weight"] == (hf + "q_proj.weight",)
-    assert attn + "q_layernorm.weight" not in lite_rules and _arch(lite).mla.q_rank is None
+    assert attn + "q_layernorm.weight" not in lite_rules and deepseek_arch(lite).mla.q_rank is None
 
 
 def test_the_mtp_layer_is_skipped_and_missing_latent_tensors_refused() -> None:
-    names = _names(DEEPSEEK_V3)
+    names = deepseek_names(DEEPSEEK_V3)
     read_arch(DEEPSEEK_V3, [*names, "model.layers.3.eh_proj.weight", "model.layers.3.self_attn.q_a_proj.weight"])
     with pytest.raises(InvalidRequest, match=r"lacks 1 tensor.*kv_a_layernorm"):
         read_arch(DEEPSEEK_V3, [n for n in names if n != "model.layers.2.self_attn.kv_a_layernorm.weight"])
@@ -107,11 +74,11 @@ def test_the_mtp_layer_is_skipped_and_missing_latent_tensors_refused() -> None:
 ])  # fmt: skip
 def test_refusals_name_the_field(change: dict, message: str) -> None:
     with pytest.raises(InvalidRequest, match=message):
-        read_arch({**DEEPSEEK_V3, **change}, _names(DEEPSEEK_V3))
+        read_arch({**DEEPSEEK_V3, **change}, deepseek_names(DEEPSEEK_V3))
 
 
 def test_deepseek_v2_reads_the_same_attention_and_softmax_routing() -> None:
-    arch = _arch(DEEPSEEK_V2_LITE)
+    arch = deepseek_arch(DEEPSEEK_V2_LITE)
     assert arch.family == "deepseek_v2"
     assert arch.mla == LatentAttention(q_rank=None, kv_rank=64, nope_dim=32, rope_dim=32, v_dim=32,
                                        mscale_all_dim=0.707)  # fmt: skip
@@ -122,11 +89,11 @@ def test_deepseek_v2_reads_the_same_attention_and_softmax_routing() -> None:
     assert (arch.num_experts, arch.moe_topk, arch.moe_norm_topk, arch.moe_sigmoid) == (4, 2, False, False)
     assert (arch.moe_groups, arch.moe_scaling, arch.mtp_layers) == ((1, 1), 1.0, 0)
     assert arch.moe_shared_ffn_hidden_size == 2 * 128 and arch.moe_layers == (False, True, True)
-    assert not any("e_score_correction_bias" in name for name in _names(DEEPSEEK_V2_LITE))
-    grouped = _arch(DEEPSEEK_V2_GROUPS)
+    assert not any("e_score_correction_bias" in name for name in deepseek_names(DEEPSEEK_V2_LITE))
+    grouped = deepseek_arch(DEEPSEEK_V2_GROUPS)
     assert (grouped.moe_groups, grouped.moe_topk, grouped.moe_scaling) == ((4, 2), 3, 16.0)
     # greedy with every group kept is greedy (V2-Lite's hub config says n_group 1, topk_group 1)
-    assert _arch({**DEEPSEEK_V2_LITE, "n_group": 2, "topk_group": 2}).moe_groups == (1, 1)
+    assert deepseek_arch({**DEEPSEEK_V2_LITE, "n_group": 2, "topk_group": 2}).moe_groups == (1, 1)
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -143,11 +110,11 @@ def test_deepseek_v2_reads_the_same_attention_and_softmax_routing() -> None:
 ])  # fmt: skip
 def test_deepseek_v2_refusals_name_the_field(change: dict, message: str) -> None:
     with pytest.raises(InvalidRequest, match=message):
-        read_arch({**DEEPSEEK_V2_LITE, **change}, _names(DEEPSEEK_V2_LITE))
+        read_arch({**DEEPSEEK_V2_LITE, **change}, deepseek_names(DEEPSEEK_V2_LITE))
 
 
 def test_tensor_parallel_splits_the_q_latent_not_the_kv_one() -> None:
-    check_tensor_parallel(_arch(DEEPSEEK_V3), 2)
-    check_tensor_parallel(_arch({**DEEPSEEK_V3, "kv_lora_rank": 63}), 2)  # the kv down projection stays whole
+    check_tensor_parallel(deepseek_arch(DEEPSEEK_V3), 2)
+    check_tensor_parallel(deepseek_arch({**DEEPSEEK_V3, "kv_lora_rank": 63}), 2)  # the kv down projection stays whole
     with pytest.raises(InvalidRequest, match=r"q_lora_rank \(63\)"):  # q's splits by rows
-        check_tensor_parallel(_arch({**DEEPSEEK_V3, "q_lora_rank": 63}), 2)
+        check_tensor_parallel(deepseek_arch({**DEEPSEEK_V3, "q_lora_rank": 63}), 2)

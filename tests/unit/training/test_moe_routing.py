@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from scalarlm.training.model import transformer_config
-from tests.unit.training.test_deepseek_family import DEEPSEEK_V2_GROUPS, DEEPSEEK_V2_LITE, _arch
+from tests.unit.training.deepseek_configs import DEEPSEEK_V2_GROUPS, DEEPSEEK_V2_LITE, deepseek_arch
 
 TOKENS = 512
 
@@ -28,7 +28,7 @@ def _transformers_probs(config: dict, hidden: torch.Tensor, weight: torch.Tensor
 def _megatron_probs(config: dict, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
-    arch = _arch(config)
+    arch = deepseek_arch(config)
     mc = transformer_config(arch, tp=1, bf16=False)
     probs, routing_map = topk_routing_with_score_function(
         hidden @ weight.T, arch.moe_topk, use_pre_softmax=mc.moe_router_pre_softmax,

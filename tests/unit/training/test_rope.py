@@ -70,9 +70,9 @@ def test_latent_rope_gives_deepseek_v3s_yarn_cos_and_sin_at_each_documents_posit
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
     from scalarlm.training.model import LatentRope, yarn_inv_freq
-    from tests.unit.training.test_deepseek_family import DEEPSEEK_V3, _arch
+    from tests.unit.training.deepseek_configs import DEEPSEEK_V3, deepseek_arch
 
-    arch = _arch(DEEPSEEK_V3)
+    arch = deepseek_arch(DEEPSEEK_V3)
     hf = DeepseekV3RotaryEmbedding(DeepseekV3Config(**{k: v for k, v in DEEPSEEK_V3.items() if k != "architectures"}))
     positions = torch.cat([torch.arange(7), torch.arange(300)])[None]  # the second past the original 128 positions
     module = LatentRope(yarn_inv_freq(arch), lambda: positions, arch.yarn_rope[4])
