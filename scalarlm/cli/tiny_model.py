@@ -22,10 +22,10 @@ logger = logging.getLogger(__name__)
 # `--family` names: the trainer's families (scalarlm.training.families) plus llama3 (Llama with llama3 RoPE).
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3", "olmo2",
             "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
-            "deepseek_v2")  # fmt: skip
+            "deepseek_v2", "olmoe")  # fmt: skip
 Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3",
                  "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe",
-                 "deepseek_v3", "deepseek_v2"]  # fmt: skip
+                 "deepseek_v3", "deepseek_v2", "olmoe"]  # fmt: skip
 # Mixture-of-experts tiny models: 4 experts, 2 per token, each expert's intermediate size hidden / 2.
 TINY_EXPERTS, TINY_TOPK = 4, 2
 # Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3, Gemma).
@@ -232,6 +232,13 @@ def _family_config(
         # GLM-4-0414's fields: RoPE on half of each head, adjacent pairs rotated; q/k/v biases; output norms.
         return transformers.Glm4Config(head_dim=head_dim, attention_bias=True, partial_rotary_factor=0.5,
                                        **common)  # fmt: skip
+    if family == "olmoe":
+        # OLMoE-1B-7B's fields, scaled down: q/k norms over the whole projection, every layer sparse, softmax routing
+        # not renormalised; rms_norm_eps 1e-5 (vLLM's OLMoE hard-codes it for the q/k norms).
+        return transformers.OlmoeConfig(num_experts=TINY_EXPERTS, num_experts_per_tok=TINY_TOPK, norm_topk_prob=False,
+                                        clip_qkv=None, attention_bias=False,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                        **{**common, "intermediate_size": hidden // 2, "rms_norm_eps": 1e-5})  # fmt: skip
     if family == "olmo2":
         return transformers.Olmo2Config(attention_bias=False, rope_parameters={"rope_type": "default",
                                         "rope_theta": 500000.0}, **common)  # fmt: skip
@@ -400,6 +407,7 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
     "gemma2": dict(family="gemma2", hidden=256, heads=4, kv_heads=2, seed=12),
     "gemma3": dict(family="gemma3", hidden=256, heads=4, kv_heads=2, seed=8),
     "olmo2": dict(family="olmo2", hidden=256, heads=4, kv_heads=2, seed=13),
+    "olmoe": dict(family="olmoe", hidden=256, heads=4, kv_heads=4, seed=28),  # OLMoE-1B-7B's multi-head attention
     # Multi-head attention (OLMo 3 7B's), sliding and full layers alternating, YaRN on the full layers.
     "olmo3": dict(family="olmo3", hidden=256, heads=4, kv_heads=4, seed=14),
     "qwen3-moe": dict(family="qwen3_moe", hidden=256, heads=4, kv_heads=2, seed=9),

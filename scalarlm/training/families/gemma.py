@@ -137,5 +137,6 @@ REFUSED = (
             "multimodal Gemma 3 (4B+) checkpoints carry vision towers the trainer does not keep; "
             "train the text model (Gemma3ForCausalLM)"),  # fmt: skip
     Refused(("PhimoeForCausalLM",),
-            "this mixture-of-experts family is not supported yet (Qwen3-MoE, Qwen2-MoE and Mixtral are)"),  # fmt: skip
+            "PhiMoE's sparsemixer routing is not supported (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, DeepSeek-V2/V3 "
+            "and OLMoE are)"),  # fmt: skip
 )

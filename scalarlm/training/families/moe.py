@@ -1,5 +1,5 @@
-"""Mixture-of-experts families: Qwen3-MoE (`Qwen3MoeForCausalLM`), Qwen2-MoE (`Qwen2MoeForCausalLM`) and Mixtral
-(`MixtralForCausalLM`).
+"""Mixture-of-experts families: Qwen3-MoE (`Qwen3MoeForCausalLM`), Qwen2-MoE (`Qwen2MoeForCausalLM`), Mixtral
+(`MixtralForCausalLM`) and OLMoE (`OlmoeForCausalLM`).
 
 Each is its dense sibling (Qwen3: per-head q/k norms; Qwen2: q/k/v biases; Mistral: optional `sliding_window` on
 every layer) with the
@@ -14,6 +14,9 @@ the renormalised case; `True` (softmax first, top k) the other. Qwen3-MoE's dens
 `decoder_sparse_step`) keep the dense MLP of size `intermediate_size`, as do Qwen2-MoE's. Qwen2-MoE adds a shared
 expert to every sparse layer (megatron's `SharedExpertMLP` with its sigmoid gate: `shared_expert.*` ->
 `mlp.shared_experts.linear_fc1/fc2`, `shared_expert_gate` -> `mlp.shared_experts.gate_weight`).
+
+OLMoE is Llama's attention with OLMo 2's q/k RMSNorms over the whole projection (before RoPE) and every layer sparse,
+softmax routing not renormalised (`norm_topk_prob`, false in the released models).
 
 Refused: Mixtral's `router_jitter_noise` (HF scales the hidden states fed to router and experts, megatron's jitter
 only the router's input), shared experts on Qwen3-MoE, and LoRA (no per-expert adapter rule yet). The load-balancing
@@ -79,6 +82,23 @@ def _mixtral(config: dict[str, Any]) -> dict[str, Any]:
         **_experts(config, True),
         "moe_ffn_hidden_size": int(config["intermediate_size"]),
         "expert_names": ("block_sparse_moe", "gate", "w1", "w3", "w2"),
+    }
+
+
+def _olmoe(config: dict[str, Any]) -> dict[str, Any]:
+    """OLMoE: every layer sparse (each expert `intermediate_size` wide), HF's routing; what vLLM would serve otherwise
+    refused."""
+    if config.get("clip_qkv") is not None:
+        raise InvalidRequest(f"clip_qkv={config['clip_qkv']} is not supported (transformers clamps q, k and v; vLLM "
+                             "0.32.0's OLMoE does not)", param="model")  # fmt: skip
+    eps = float(config.get("rms_norm_eps") or 1e-5)
+    if eps != 1e-5:
+        raise InvalidRequest(f"rms_norm_eps={eps} is not supported for olmoe: vLLM 0.32.0's OLMoE normalises q and k "
+                             "with eps 1e-5 whatever the config says (the released models' value)", param="model")  # fmt: skip
+    return {
+        **_experts(config, bool(config.get("norm_topk_prob"))),
+        "moe_ffn_hidden_size": int(config["intermediate_size"]),
+        "expert_names": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
     }
 
 
@@ -182,6 +202,15 @@ GLM4_MOE = Family(
     extra=_glm4_moe,
     lora_refusal=LORA_REFUSAL,
     notes="GLM-4.5: partial RoPE, q/k/v biases, sigmoid-routed MoE with a fixed expert bias and a shared expert",
+)
+
+OLMOE = Family(
+    name="olmoe",
+    architectures=("OlmoeForCausalLM",),
+    qk_norm_over_projection=True,
+    extra=_olmoe,
+    lora_refusal=LORA_REFUSAL,
+    notes="OLMoE: Llama attention with q/k RMSNorm over the whole projection + top-k MoE on every layer",
 )
 
 MIXTRAL = Family(

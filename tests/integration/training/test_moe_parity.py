@@ -24,7 +24,7 @@ from trainer_jobs import mpi_env, require_mpirun
 from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS
 
 HERE = Path(__file__).parent
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3", "deepseek_v2")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3", "deepseek_v2", "olmoe")
 MOE_MODELS = sorted(name for name, spec in FAMILY_TINY_MODELS.items() if spec["family"] in MOE_FAMILIES)
 TOLERANCE = 1e-5  # fp32 against float64 or NumPy
 # fp32 router logits, probabilities, layer outputs and logits (values up to ~7) against transformers': measured
@@ -73,7 +73,7 @@ def results(moe_models: dict[str, Path]):
 
 
 def test_the_moe_tiny_models_cover_every_moe_family_and_every_routing() -> None:
-    assert MOE_MODELS == ["deepseek-v2-lite", "deepseek-v3", "glm4-moe", "mixtral", "moonlight", "qwen2-moe",
+    assert MOE_MODELS == ["deepseek-v2-lite", "deepseek-v3", "glm4-moe", "mixtral", "moonlight", "olmoe", "qwen2-moe",
                           "qwen3-moe", "qwen3-moe-mixed"]
 
 

@@ -53,7 +53,7 @@ def test_registry_names_every_family_once() -> None:
     assert {f.name for f in FAMILY_LIST} == {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma",
                                             "gemma2", "gemma3", "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral",
                                             "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
-                                            "deepseek_v2"}
+                                            "deepseek_v2", "olmoe"}
     assert all(FAMILIES[a] is f for f in FAMILY_LIST for a in f.architectures)
 
 
@@ -145,7 +145,7 @@ def test_fields_that_change_the_maths_are_refused_by_name(changes: dict, field: 
 
 
 def test_recognised_but_unsupported_families_say_why() -> None:
-    with pytest.raises(InvalidRequest, match=r"PhimoeForCausalLM.*mixture-of-experts family is not supported yet"):
+    with pytest.raises(InvalidRequest, match=r"PhimoeForCausalLM.*sparsemixer routing is not supported"):
         arch_of("PhimoeForCausalLM")
     with pytest.raises(InvalidRequest, match=r"GPT2LMHeadModel.*supported: \[.*'LlamaForCausalLM'"):
         arch_of("GPT2LMHeadModel")

@@ -1,4 +1,4 @@
-"""The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5) without torch: what they read from the
+"""The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, OLMoE) without torch: what they read from the
 config, their per-expert tensor rules, what they refuse (naming the field), and LoRA refused at submission naming
 adapter_type."""
 
@@ -31,18 +31,22 @@ GLM4_MOE = {**BASE, "architectures": ["Glm4MoeForCausalLM"], "n_routed_experts":
             "routed_scaling_factor": 1.8, "norm_topk_prob": True, "attention_bias": True, "partial_rotary_factor": 0.5,
             "num_nextn_predict_layers": 1}  # fmt: skip
 
+# OLMoE-1B-7B's fields, scaled down: every layer sparse, softmax routing not renormalised, q/k norms over the projection.
+OLMOE = {**BASE, "architectures": ["OlmoeForCausalLM"], "num_experts": 4, "intermediate_size": 128,
+         "norm_topk_prob": False, "clip_qkv": None, "rms_norm_eps": 1e-5, "num_key_value_heads": 4}  # fmt: skip
+
 
 def _shape(config: dict) -> ModelArch:
     """The arch read from `config` with exactly the tensor names its rules map."""
-    family = {"Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
-              "Glm4MoeForCausalLM": "glm4_moe"}.get(config["architectures"][0], "mixtral")  # fmt: skip
+    family = {"Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe", "Glm4MoeForCausalLM": "glm4_moe",
+              "OlmoeForCausalLM": "olmoe"}.get(config["architectures"][0], "mixtral")  # fmt: skip
     first = BY_NAME[family].extra(config)
     qk_norms = first.pop("qk_layernorm", "Qwen3" in config["architectures"][0])
     layers = config["num_hidden_layers"]
     probe = ModelArch(family="probe", vocab_size=1, hidden_size=1, num_layers=layers, num_heads=1, num_kv_heads=1,
                       head_dim=1, ffn_hidden_size=1, norm_eps=0.0, rope_theta=0.0, max_position_embeddings=1,
                       tied_embeddings=False, qk_layernorm=qk_norms, qkv_bias=bool(config.get("attention_bias")),
-                      **first)  # fmt: skip
+                      qk_norm_over_projection=BY_NAME[family].qk_norm_over_projection, **first)  # fmt: skip
     return read_arch(config, hf_tensor_names(probe))
 
 
@@ -115,6 +119,21 @@ def test_glm4_moe_reads_sigmoid_routing_its_fixed_bias_shared_expert_and_dense_l
         read_arch(GLM4_MOE, [*names, "model.layers.4.eh_proj.weight"])
 
 
+def test_olmoe_reads_every_layer_sparse_softmax_routing_and_qk_norms_over_the_projection() -> None:
+    arch = _shape(OLMOE)
+    assert (arch.family, arch.num_experts, arch.moe_topk, arch.moe_ffn_hidden_size) == ("olmoe", 4, 2, 128)
+    assert not arch.moe_norm_topk and arch.qk_norm_over_projection and not arch.qk_layernorm
+    assert all(arch.is_moe(i) for i in range(3)) and not arch.moe_shared_ffn_hidden_size
+    by_mcore = {r.mcore: r for r in rules(arch)}
+    # OLMo 2's norms: each TP rank holds its heads' slice of the q and k norm weights
+    q_norm = by_mcore["decoder.layers.0.self_attention.q_layernorm.weight"]
+    assert (q_norm.hf, q_norm.kind) == (("model.layers.0.self_attn.q_norm.weight",), "dim0")
+    assert by_mcore["decoder.layers.2.mlp.router.weight"].hf == ("model.layers.2.mlp.gate.weight",)
+    assert by_mcore["decoder.layers.2.mlp.experts.local_experts.3.linear_fc2.weight"].hf == (
+        "model.layers.2.mlp.experts.3.down_proj.weight",)  # fmt: skip
+    assert _shape({**OLMOE, "norm_topk_prob": True}).moe_norm_topk
+
+
 def test_missing_or_unmapped_expert_tensors_are_refused() -> None:
     names = hf_tensor_names(_shape(QWEN3_MOE))
     with pytest.raises(InvalidRequest, match=r"lacks 1 tensor.*experts\.3\.up_proj"):
@@ -131,7 +150,9 @@ def test_missing_or_unmapped_expert_tensors_are_refused() -> None:
      ({**QWEN3_MOE, "shared_expert_intermediate_size": 64}, "shared experts"),
      ({**GLM4_MOE, "norm_topk_prob": False}, "norm_topk_prob=false with sigmoid routing"),
      ({**GLM4_MOE, "topk_group": 2}, "n_group=2, topk_group=2 with num_experts_per_tok=2"),
-     ({**GLM4_MOE, "n_group": 3}, "n_group=3")],
+     ({**GLM4_MOE, "n_group": 3}, "n_group=3"),
+     ({**OLMOE, "clip_qkv": 8.0}, r"clip_qkv=8.0 is not supported \(transformers clamps"),
+     ({**OLMOE, "rms_norm_eps": 1e-6}, "rms_norm_eps=1e-06 is not supported for olmoe: vLLM")],
 )  # fmt: skip
 def test_moe_fields_the_trainer_cannot_follow_are_refused_by_name(config: dict, field: str) -> None:
     with pytest.raises(InvalidRequest, match=field):
@@ -144,7 +165,8 @@ def test_tensor_parallel_must_split_the_experts() -> None:
         check_tensor_parallel(_shape({**QWEN3_MOE, "moe_intermediate_size": 127}), 2)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "olmoe", "deepseek_v2",
+                                    "deepseek_v3"])
 def test_lora_on_moe_is_refused_naming_adapter_type(family: str) -> None:
     with pytest.raises(InvalidRequest, match="adapter_type 'lora' is not supported for " + family) as e:
         lora_targets(BY_NAME[family], ["q_proj"])
