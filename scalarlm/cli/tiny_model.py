@@ -22,10 +22,10 @@ logger = logging.getLogger(__name__)
 # `--family` names: the trainer's families (scalarlm.training.families) plus llama3 (Llama with llama3 RoPE).
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3", "olmo2",
             "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
-            "deepseek_v2", "olmoe")  # fmt: skip
+            "deepseek_v2", "olmoe", "exaone4")  # fmt: skip
 Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3",
                  "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe",
-                 "deepseek_v3", "deepseek_v2", "olmoe"]  # fmt: skip
+                 "deepseek_v3", "deepseek_v2", "olmoe", "exaone4"]  # fmt: skip
 # Mixture-of-experts tiny models: 4 experts, 2 per token, each expert's intermediate size hidden / 2.
 TINY_EXPERTS, TINY_TOPK = 4, 2
 # Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3, Gemma).
@@ -232,6 +232,15 @@ def _family_config(
         # GLM-4-0414's fields: RoPE on half of each head, adjacent pairs rotated; q/k/v biases; output norms.
         return transformers.Glm4Config(head_dim=head_dim, attention_bias=True, partial_rotary_factor=0.5,
                                        **common)  # fmt: skip
+    if family == "exaone4":
+        # EXAONE-4.0-32B's fields, scaled down: sliding and global (NoPE) layers alternating (32B: 3 sliding to 1
+        # global), output norms only, per-head q/k norms, `llama3` RoPE with its original context scaled down (as the
+        # llama3 tiny model's) so the scaled low frequencies show.
+        rope = {"rope_type": "llama3", "rope_theta": 1000000.0, "factor": 16.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": max(64, max_position // 8)}  # fmt: skip
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        return transformers.Exaone4Config(head_dim=head_dim, sliding_window=8, layer_types=types,
+                                          rope_parameters=rope, **common)  # fmt: skip
     if family == "olmoe":
         # OLMoE-1B-7B's fields, scaled down: q/k norms over the whole projection, every layer sparse, softmax routing
         # not renormalised; rms_norm_eps 1e-5 (vLLM's OLMoE hard-codes it for the q/k norms).
@@ -407,6 +416,7 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
     "gemma2": dict(family="gemma2", hidden=256, heads=4, kv_heads=2, seed=12),
     "gemma3": dict(family="gemma3", hidden=256, heads=4, kv_heads=2, seed=8),
     "olmo2": dict(family="olmo2", hidden=256, heads=4, kv_heads=2, seed=13),
+    "exaone4": dict(family="exaone4", hidden=256, heads=4, kv_heads=2, seed=29),
     "olmoe": dict(family="olmoe", hidden=256, heads=4, kv_heads=4, seed=28),  # OLMoE-1B-7B's multi-head attention
     # Multi-head attention (OLMo 3 7B's), sliding and full layers alternating, YaRN on the full layers.
     "olmo3": dict(family="olmo3", hidden=256, heads=4, kv_heads=4, seed=14),

@@ -53,7 +53,7 @@ def test_registry_names_every_family_once() -> None:
     assert {f.name for f in FAMILY_LIST} == {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma",
                                             "gemma2", "gemma3", "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral",
                                             "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
-                                            "deepseek_v2", "olmoe"}
+                                            "deepseek_v2", "olmoe", "exaone4"}
     assert all(FAMILIES[a] is f for f in FAMILY_LIST for a in f.architectures)
 
 
@@ -211,6 +211,30 @@ def test_gemma1_reads_gemmas_norms_scale_and_tanh_geglu_and_nothing_of_gemma2() 
         arch_of(**{**GEMMA, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
     with pytest.raises(InvalidRequest, match="use_bidirectional_attention"):
         arch_of(**GEMMA, use_bidirectional_attention=True)
+
+
+# EXAONE-4.0-32B's fields (64 layers, 3 sliding to 1 global, llama3 RoPE), 4 layers here.
+EXAONE4 = {"architectures": ["Exaone4ForCausalLM"], "num_hidden_layers": 4, "sliding_window": 4096,
+           "sliding_window_pattern": 4, "layer_types": None, "head_dim": 64,
+           "rope_parameters": {"rope_type": "llama3", "rope_theta": 1e6, "factor": 16.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}  # fmt: skip
+
+
+def test_exaone4_reads_output_norms_per_head_qk_norms_sliding_layers_and_global_nope() -> None:
+    arch = arch_of(**EXAONE4)
+    assert arch.family == "exaone4" and not arch.input_norms and arch.sandwich_norms and arch.qk_layernorm
+    assert arch.windows == (4096, 4096, 4096, None)  # every 4th layer global, as transformers derives layer_types
+    assert arch.rope_layers == (True, True, True, False)  # the global layer without RoPE
+    assert arch.llama3_rope == (16.0, 1.0, 4.0, 8192)
+    # the 1.2B: every layer global, all with RoPE
+    dense = arch_of(**{**EXAONE4, "sliding_window": None, "layer_types": ["full_attention"] * 4})
+    assert dense.windows == () and all(dense.uses_rope(i) for i in range(4))
+    with pytest.raises(InvalidRequest, match="sliding_window=4096 with no sliding_attention layers"):
+        arch_of(**{**EXAONE4, "layer_types": ["full_attention"] * 4})
+    with pytest.raises(InvalidRequest, match="sliding_window=None with some sliding_attention layers"):
+        arch_of(**{**EXAONE4, "sliding_window": None, "layer_types": ["sliding_attention", "full_attention"] * 2})
+    with pytest.raises(InvalidRequest, match="rope_type 'yarn' is not supported for exaone4"):
+        arch_of(**{**EXAONE4, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
 
 
 GEMMA2 = {"architectures": ["Gemma2ForCausalLM"], "hidden_activation": "gelu_pytorch_tanh", "head_dim": 64,
