@@ -244,10 +244,11 @@ def _family_config(
     if family == "olmoe":
         # OLMoE-1B-7B's fields, scaled down: q/k norms over the whole projection, every layer sparse, softmax routing
         # not renormalised; rms_norm_eps 1e-5 (vLLM's OLMoE hard-codes it for the q/k norms).
+        fields = {**common, "intermediate_size": hidden // 2, "rms_norm_eps": 1e-5}
         return transformers.OlmoeConfig(num_experts=TINY_EXPERTS, num_experts_per_tok=TINY_TOPK, norm_topk_prob=False,
                                         clip_qkv=None, attention_bias=False,
                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                                        **{**common, "intermediate_size": hidden // 2, "rms_norm_eps": 1e-5})  # fmt: skip
+                                        **fields)  # fmt: skip
     if family == "olmo2":
         return transformers.Olmo2Config(attention_bias=False, rope_parameters={"rope_type": "default",
                                         "rope_theta": 500000.0}, **common)  # fmt: skip

@@ -28,7 +28,8 @@ def _types(config: dict[str, Any], layers: int) -> list[str]:
     sliding = "sliding_attention" in types
     if sliding != (window is not None):
         raise InvalidRequest(f"sliding_window={window} with {'some' if sliding else 'no'} sliding_attention layers is "
-                             "not supported (transformers and vLLM would rotate different layers)", param="model")  # fmt: skip
+                             "not supported (transformers and vLLM would rotate different layers)",
+                             param="model")  # fmt: skip
     return list(types)
 
 

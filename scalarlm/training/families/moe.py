@@ -94,7 +94,8 @@ def _olmoe(config: dict[str, Any]) -> dict[str, Any]:
     eps = float(config.get("rms_norm_eps") or 1e-5)
     if eps != 1e-5:
         raise InvalidRequest(f"rms_norm_eps={eps} is not supported for olmoe: vLLM 0.32.0's OLMoE normalises q and k "
-                             "with eps 1e-5 whatever the config says (the released models' value)", param="model")  # fmt: skip
+                             "with eps 1e-5 whatever the config says (the released models' value)",
+                             param="model")  # fmt: skip
     return {
         **_experts(config, bool(config.get("norm_topk_prob"))),
         "moe_ffn_hidden_size": int(config["intermediate_size"]),

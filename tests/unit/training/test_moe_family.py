@@ -1,5 +1,5 @@
-"""The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, OLMoE) without torch: what they read from the
-config, their per-expert tensor rules, what they refuse (naming the field), and LoRA refused at submission naming
+"""The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, OLMoE) without torch: what they read from
+the config, their per-expert tensor rules, what they refuse (naming the field), and LoRA refused at submission naming
 adapter_type."""
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ GLM4_MOE = {**BASE, "architectures": ["Glm4MoeForCausalLM"], "n_routed_experts":
             "routed_scaling_factor": 1.8, "norm_topk_prob": True, "attention_bias": True, "partial_rotary_factor": 0.5,
             "num_nextn_predict_layers": 1}  # fmt: skip
 
-# OLMoE-1B-7B's fields, scaled down: every layer sparse, softmax routing not renormalised, q/k norms over the projection.
+# OLMoE-1B-7B's fields, scaled down: every layer sparse, softmax routing not renormalised, q/k norms over the
+# projection.
 OLMOE = {**BASE, "architectures": ["OlmoeForCausalLM"], "num_experts": 4, "intermediate_size": 128,
          "norm_topk_prob": False, "clip_qkv": None, "rms_norm_eps": 1e-5, "num_key_value_heads": 4}  # fmt: skip
 
