@@ -22,14 +22,14 @@ logger = logging.getLogger(__name__)
 # `--family` names: the trainer's families (scalarlm.training.families) plus llama3 (Llama with llama3 RoPE).
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3", "olmo2",
             "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
-            "deepseek_v2", "olmoe", "exaone4")  # fmt: skip
+            "deepseek_v2", "olmoe", "exaone4", "ernie4_5")  # fmt: skip
 Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3",
                  "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe",
-                 "deepseek_v3", "deepseek_v2", "olmoe", "exaone4"]  # fmt: skip
+                 "deepseek_v3", "deepseek_v2", "olmoe", "exaone4", "ernie4_5"]  # fmt: skip
 # Mixture-of-experts tiny models: 4 experts, 2 per token, each expert's intermediate size hidden / 2.
 TINY_EXPERTS, TINY_TOPK = 4, 2
 # Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3, Gemma).
-TIED_BY_DEFAULT = frozenset({"qwen3", "llama3", "smollm3", "gemma", "gemma2", "gemma3", "granite"})
+TIED_BY_DEFAULT = frozenset({"qwen3", "llama3", "smollm3", "gemma", "gemma2", "gemma3", "granite", "ernie4_5"})
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<unk>"]
 # vLLM's CPU attention kernels support only these head sizes.
@@ -232,6 +232,11 @@ def _family_config(
         # GLM-4-0414's fields: RoPE on half of each head, adjacent pairs rotated; q/k/v biases; output norms.
         return transformers.Glm4Config(head_dim=head_dim, attention_bias=True, partial_rotary_factor=0.5,
                                        **common)  # fmt: skip
+    if family == "ernie4_5":
+        # ERNIE-4.5-0.3B's fields: GQA, RoPE on adjacent pairs, no biases, tied embeddings.
+        return transformers.Ernie4_5Config(head_dim=head_dim, use_bias=False,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                                           **common)  # fmt: skip
     if family == "exaone4":
         # EXAONE-4.0-32B's fields, scaled down: sliding and global (NoPE) layers alternating (32B: 3 sliding to 1
         # global), output norms only, per-head q/k norms, `llama3` RoPE with its original context scaled down (as the
@@ -417,6 +422,7 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
     "gemma2": dict(family="gemma2", hidden=256, heads=4, kv_heads=2, seed=12),
     "gemma3": dict(family="gemma3", hidden=256, heads=4, kv_heads=2, seed=8),
     "olmo2": dict(family="olmo2", hidden=256, heads=4, kv_heads=2, seed=13),
+    "ernie4.5": dict(family="ernie4_5", hidden=256, heads=4, kv_heads=2, seed=30),
     "exaone4": dict(family="exaone4", hidden=256, heads=4, kv_heads=2, seed=29),
     "olmoe": dict(family="olmoe", hidden=256, heads=4, kv_heads=4, seed=28),  # OLMoE-1B-7B's multi-head attention
     # Multi-head attention (OLMo 3 7B's), sliding and full layers alternating, YaRN on the full layers.

@@ -88,9 +88,9 @@ def test_unknown_rope_type_is_named(serve, tiny_model_dir: Path, tmp_path: Path)
 @pytest.mark.parametrize(
     ("architecture", "words"),
     [("GPT2LMHeadModel", ("GPT2LMHeadModel", "not supported")),
-     ("GemmaForCausalLM", ("GemmaForCausalLM", "Gemma 1 is not implemented")),
+     ("GptOssForCausalLM", ("GptOssForCausalLM", "attention sinks")),
      ("Gemma3ForConditionalGeneration", ("Gemma3ForConditionalGeneration", "vision towers")),
-     ("PhimoeForCausalLM", ("PhimoeForCausalLM", "mixture-of-experts"))],
+     ("PhimoeForCausalLM", ("PhimoeForCausalLM", "sparsemixer routing"))],
 )  # fmt: skip
 def test_unsupported_architecture_is_named(serve, tiny_model_dir: Path, tmp_path: Path, architecture: str,
                                            words: tuple[str, ...]) -> None:  # fmt: skip

@@ -53,7 +53,7 @@ def test_registry_names_every_family_once() -> None:
     assert {f.name for f in FAMILY_LIST} == {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma",
                                             "gemma2", "gemma3", "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral",
                                             "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
-                                            "deepseek_v2", "olmoe", "exaone4"}
+                                            "deepseek_v2", "olmoe", "exaone4", "ernie4_5"}
     assert all(FAMILIES[a] is f for f in FAMILY_LIST for a in f.architectures)
 
 
@@ -211,6 +211,14 @@ def test_gemma1_reads_gemmas_norms_scale_and_tanh_geglu_and_nothing_of_gemma2() 
         arch_of(**{**GEMMA, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
     with pytest.raises(InvalidRequest, match="use_bidirectional_attention"):
         arch_of(**GEMMA, use_bidirectional_attention=True)
+
+
+def test_ernie4_5_rotates_adjacent_pairs_and_refuses_biases_vllm_would_drop() -> None:
+    arch = arch_of("Ernie4_5ForCausalLM", use_bias=False, tie_word_embeddings=True, rope_theta=500000.0)
+    assert arch.family == "ernie4_5" and arch.rotary_interleaved and arch.tied_embeddings
+    assert (arch.rope_theta, arch.qkv_bias, arch.qk_layernorm) == (500000.0, False, False)
+    with pytest.raises(InvalidRequest, match="use_bias=true is not supported for ernie4_5"):
+        arch_of("Ernie4_5ForCausalLM", use_bias=True)
 
 
 # EXAONE-4.0-32B's fields (64 layers, 3 sliding to 1 global, llama3 RoPE), 4 layers here.
