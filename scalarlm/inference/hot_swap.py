@@ -194,10 +194,11 @@ class WeightsManager:
         logger.info("full weights %s v%d -> %s v%d in %.3fs", old[0], old[1], name, version, seconds)
 
     async def _reload(self, path: Path) -> None:
-        """vLLM's `reload_weights` from `path`, then what it leaves stale (inference/worker_extension.py): a tied
+        """vLLM's `reload_weights` from `path` (`reload_checkpoint`: under LoRA's wrapped names where the model's
+        loader needs them), then what it leaves stale (inference/worker_extension.py): a tied
         output layer's packed copy and, on CPU, a mixture-of-experts model's prepacked fused experts."""
         llm = self.engine.llm
-        await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+        await llm.collective_rpc("reload_checkpoint", kwargs={"weights_path": str(path)})
         await llm.collective_rpc("refresh_embedding_kernels")
         if engine_device() == "cpu" and checkpoint_experts(path):
             await llm.collective_rpc("reload_fused_experts", kwargs={"weights_path": str(path)})

@@ -28,6 +28,7 @@ from vllm.entrypoints.serve.exception_handling.handlers.validation import (  # v
 )
 from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
 from vllm.envs import enable_envs_cache
+from vllm.lora.layers import BaseLayerWithLoRA
 from vllm.lora.request import LoRARequest
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
@@ -47,6 +48,7 @@ Device = Literal["cpu", "accelerator"]
 __all__ = [
     "AsyncEngineArgs",
     "AsyncLLM",
+    "BaseLayerWithLoRA",
     "ChatCompletionRequest",
     "CompletionRequest",
     "Device",

@@ -1,5 +1,13 @@
 """Methods our engine's workers gain through vLLM's stock `--worker-extension-cls` (called with `collective_rpc`).
 
+`reload_checkpoint`: vLLM's `reload_weights` from a checkpoint directory. With LoRA enabled, vLLM wraps each layer an
+adapter may touch and its weight moves to `<module>.base_layer.weight`. Most vLLM 0.32.0 models load through
+`AutoWeightsLoader`, which passes a checkpoint name to the wrapper, so a reload works. A model whose own loader looks
+its parameters up by their checkpoint names fails on the first wrapped one (GraniteMoeHybrid:
+`KeyError: 'embed_tokens.weight'`). The failure comes before anything is finalised; the checkpoint is then reloaded
+with each wrapped layer's tensors named as the wrapper holds them (measured: served tokens then equal `transformers`
+on the new checkpoint). The worker remembers this and reloads that way from then on.
+
 `refresh_embedding_kernels`: after `reload_weights`, re-run the embedding layers' post-load step. On vLLM's CPU
 backend that step packs each embedding's weight for its matmul kernel (`dispatch_cpu_unquantized_gemm`), and the
 output layer is an embedding layer too. A model served by vLLM's Transformers backend (SmolLM3 in vLLM 0.32) keeps
@@ -20,6 +28,7 @@ This module is imported inside vLLM's worker processes: it imports vLLM names th
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +39,21 @@ class ScalarLMWorkerExtension:
     """Mixed into vLLM's worker class; `self` is the worker (it has `model_runner`)."""
 
     model_runner: Any
+
+    def reload_checkpoint(self, weights_path: str) -> bool:
+        """Reload every weight from the checkpoint in `weights_path` (see the module docstring); whether the names
+        were rewritten to LoRA's wrapped layers."""
+        runner = self.model_runner
+        if not getattr(self, "_lora_wrapped_names", False):
+            try:
+                runner.reload_weights(weights_path=weights_path)
+                return False
+            except KeyError:
+                if runner.lora_config is None:
+                    raise
+        runner.reload_weights(weights_iterator=_wrapped_names(runner.model, _checkpoint_tensors(weights_path)))
+        self._lora_wrapped_names = True  # only once the wrapped names have loaded a whole checkpoint
+        return True
 
     def refresh_embedding_kernels(self) -> list[str]:
         """Re-run the post-load step of every unquantized embedding layer (output layer included); their names."""
@@ -45,8 +69,6 @@ class ScalarLMWorkerExtension:
     def reload_fused_experts(self, weights_path: str) -> int:
         """Load the expert tensors of the checkpoint in `weights_path` into every fused-experts layer and prepack
         them for the CPU kernel; the number of layers reloaded."""
-        from safetensors import safe_open
-
         from scalarlm.inference.vllm_api import RoutedExperts
 
         model = self.model_runner.model
@@ -54,14 +76,39 @@ class ScalarLMWorkerExtension:
         if not layers:
             return 0
 
-        def expert_tensors():
-            for path in sorted(Path(weights_path).glob("*.safetensors")):
-                with safe_open(str(path), framework="pt") as f:
-                    for name in f.keys():
-                        if ".experts." in name:
-                            yield name, f.get_tensor(name)
-
-        model.load_weights(expert_tensors())
+        model.load_weights(_checkpoint_tensors(weights_path, lambda name: ".experts." in name))
         for layer in layers:
             layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
         return len(layers)
+
+
+def _checkpoint_tensors(weights_path: str,
+                        keep: Callable[[str], bool] = lambda name: True) -> Iterator[tuple[str, Any]]:  # fmt: skip
+    """(name, tensor) of every tensor `keep` accepts in the checkpoint's safetensors files."""
+    from safetensors import safe_open
+
+    for path in sorted(Path(weights_path).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if keep(name):
+                    yield name, f.get_tensor(name)
+
+
+def _wrapped_names(model: Any, tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """`tensors` with each name whose layer LoRA wraps renamed to the wrapper's `base_layer` (the layer found under
+    the name itself or under the fused module it is packed into: q_proj -> qkv_proj)."""
+    from scalarlm.inference.vllm_api import BaseLayerWithLoRA
+
+    packed = {part: whole for whole, parts in getattr(model, "packed_modules_mapping", {}).items() for part in parts}
+    for name, tensor in tensors:
+        module, _, leaf = name.rpartition(".")
+        parent, _, last = module.rpartition(".")
+        for candidate in (module, f"{parent}.{packed.get(last, last)}"):
+            try:
+                wrapped = isinstance(model.get_submodule(candidate), BaseLayerWithLoRA)
+            except AttributeError:
+                continue
+            if wrapped:
+                name = f"{module}.base_layer.{leaf}"
+                break
+        yield name, tensor
