@@ -22,14 +22,15 @@ logger = logging.getLogger(__name__)
 # `--family` names: the trainer's families (scalarlm.training.families) plus llama3 (Llama with llama3 RoPE).
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3", "olmo2",
             "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
-            "deepseek_v2", "olmoe", "exaone4", "ernie4_5")  # fmt: skip
+            "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4")  # fmt: skip
 Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3",
                  "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe",
-                 "deepseek_v3", "deepseek_v2", "olmoe", "exaone4", "ernie4_5"]  # fmt: skip
+                 "deepseek_v3", "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4"]  # fmt: skip
 # Mixture-of-experts tiny models: 4 experts, 2 per token, each expert's intermediate size hidden / 2.
 TINY_EXPERTS, TINY_TOPK = 4, 2
 # Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3, Gemma).
-TIED_BY_DEFAULT = frozenset({"qwen3", "llama3", "smollm3", "gemma", "gemma2", "gemma3", "granite", "ernie4_5"})
+TIED_BY_DEFAULT = frozenset({"qwen3", "llama3", "smollm3", "gemma", "gemma2", "gemma3", "granite", "ernie4_5",
+                             "granite4"})  # fmt: skip
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<unk>"]
 # vLLM's CPU attention kernels support only these head sizes.
@@ -281,6 +282,17 @@ def _family_config(
                                           embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=16.0,
                                           rope_parameters={"rope_type": "default", "rope_theta": 10000000.0},
                                           **common)  # fmt: skip
+    if family == "granite4":
+        # granite-4.0-micro's fields: every layer attention (GraniteMoeHybrid without Mamba or experts), its
+        # multipliers, the MLP as shared_mlp of `shared_intermediate_size` (intermediate_size set apart, unused).
+        return transformers.GraniteMoeHybridConfig(layer_types=["attention"] * layers, num_local_experts=0,
+                                                   shared_intermediate_size=common["intermediate_size"],
+                                                   **{**common, "intermediate_size": 3 * hidden, "rms_norm_eps": 1e-5},
+                                                   position_embedding_type="rope", attention_multiplier=1.0 / head_dim,
+                                                   embedding_multiplier=12.0, residual_multiplier=0.22,
+                                                   logits_scaling=10.0,
+                                                   rope_parameters={"rope_type": "default",
+                                                                    "rope_theta": 10000000.0})  # fmt: skip
     if family == "qwen2_moe":
         # Qwen1.5-MoE-A2.7B's fields (plain top-k, q/k/v biases, a shared expert 4x an expert's size), scaled down.
         return transformers.Qwen2MoeConfig(num_experts=TINY_EXPERTS, num_experts_per_tok=TINY_TOPK,
@@ -442,6 +454,7 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
                                         "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}}),
     "deepseek-v2-lite": dict(family="deepseek_v2", hidden=256, heads=4, kv_heads=4, layers=3, seed=26),
     "granite": dict(family="granite", hidden=256, heads=4, kv_heads=2, seed=17),
+    "granite4": dict(family="granite4", hidden=256, heads=4, kv_heads=2, seed=31),
     "glm": dict(family="glm", hidden=256, heads=4, kv_heads=2, seed=20),
     "glm4": dict(family="glm4", hidden=256, heads=4, kv_heads=2, seed=19),
 }

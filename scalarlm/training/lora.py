@@ -1,7 +1,8 @@
 """LoRA on the megatron model, named and exported the way PEFT names Hugging Face modules.
 
 Megatron fuses q/k/v into `linear_qkv` and gate/up into `linear_fc1`; LoRA is defined per HF module the family
-declares (``q_proj`` ... ``down_proj``, or Phi-3's fused ``qkv_proj`` / ``gate_up_proj``, which is what vLLM loads)
+declares (``q_proj`` ... ``down_proj``, Phi-3's fused ``qkv_proj`` / ``gate_up_proj``, Granite 4.0's ``input_linear`` /
+``output_linear``: what vLLM loads)
 as a low-rank delta ``scale * B @ A @ x`` added to the fused output, laid out by `families.layouts` exactly as the
 weights are, so the exported A/B are exactly PEFT's ``lora_A`` / ``lora_B`` of the HF module.
 
@@ -37,12 +38,13 @@ from scalarlm.training.families.spec import Kind, lora_targets
 def linears(arch: ModelArch) -> dict[str, tuple[str, tuple[str, ...], Kind]]:
     """megatron linear -> (HF module path inside a layer, the HF modules it fuses, its TP kind)."""
     attn = ("qkv_proj",) if arch.fused_qkv else ("q_proj", "k_proj", "v_proj")
-    mlp = ("gate_up_proj",) if arch.fused_gate_up else ("gate_proj", "up_proj")
+    module, fused, down = arch.mlp_names
+    mlp = (fused,) if arch.fused_gate_up else ("gate_proj", "up_proj")
     return {
         "self_attention.linear_qkv": ("self_attn", attn, "qkv"),
         "self_attention.linear_proj": ("self_attn", ("o_proj",), "dim1"),
-        "mlp.linear_fc1": ("mlp", mlp, "fc1"),
-        "mlp.linear_fc2": ("mlp", ("down_proj",), "dim1"),
+        "mlp.linear_fc1": (module, mlp, "fc1"),
+        "mlp.linear_fc2": (module, (down,), "dim1"),
     }
 
 
@@ -84,16 +86,17 @@ def _proj_shapes(arch: ModelArch) -> dict[str, tuple[int, int]]:
     """(in, out) features of each HF module."""
     h, d = arch.hidden_size, arch.head_dim
     qkv = sum(layouts.qkv_sizes(arch))
+    _, fused, down = arch.mlp_names
     return {
         "qkv_proj": (h, qkv),
-        "gate_up_proj": (h, 2 * arch.ffn_hidden_size),
+        fused: (h, 2 * arch.ffn_hidden_size),
         "q_proj": (h, arch.num_heads * d),
         "k_proj": (h, arch.num_kv_heads * d),
         "v_proj": (h, arch.num_kv_heads * d),
         "o_proj": (arch.num_heads * d, h),
         "gate_proj": (h, arch.ffn_hidden_size),
         "up_proj": (h, arch.ffn_hidden_size),
-        "down_proj": (arch.ffn_hidden_size, h),
+        down: (arch.ffn_hidden_size, h),
     }
 
 

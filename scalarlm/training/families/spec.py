@@ -36,6 +36,7 @@ class Rule:
     kind: Kind
 
 
+MLP_NAMES = ("mlp", "gate_up_proj", "down_proj")
 SANDWICH_NORM_NAMES = ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
@@ -79,6 +80,9 @@ class ModelArch:
     qk_norm_over_projection: bool = False
     fused_qkv: bool = False  # HF holds one self_attn.qkv_proj ([q; k; v]) instead of q/k/v_proj
     fused_gate_up: bool = False  # HF holds one mlp.gate_up_proj ([gate; up])
+    # HF names of the dense MLP: its module, its fused [gate; up] projection (with `fused_gate_up`) and its down
+    # projection (Granite 4.0: shared_mlp, input_linear, output_linear).
+    mlp_names: tuple[str, str, str] = MLP_NAMES
     llama3_rope: tuple[float, float, float, int] | None = None  # factor, low_freq_factor, high_freq_factor, orig_max
     rope_layers: tuple[bool, ...] = ()  # per layer: applies RoPE (empty = every layer)
     windows: tuple[int | None, ...] = ()  # per layer: sliding window as HF applies it (empty = none)
@@ -190,6 +194,7 @@ class Family:
     qk_norm_over_projection: bool = False
     fused_qkv: bool = False
     fused_gate_up: bool = False
+    mlp_names: tuple[str, str, str] = MLP_NAMES
     qkv_bias_from_weights: bool = False  # Qwen2: q/k/v carry biases (o_proj none), seen in the tensor names
     windows: Callable[[dict[str, Any], int], tuple[int | None, ...]] = field(default=lambda config, n: ())
     rope_layers: Callable[[dict[str, Any], int], tuple[bool, ...]] = field(default=lambda config, n: ())
@@ -209,8 +214,17 @@ class Family:
     def lora_targets(self) -> tuple[str, ...]:
         """The HF module names (PEFT `target_modules`, what vLLM loads) this family's adapters may target."""
         attn = ("qkv_proj",) if self.fused_qkv else ("q_proj", "k_proj", "v_proj")
-        mlp = ("gate_up_proj",) if self.fused_gate_up else ("gate_proj", "up_proj")
-        return tuple(m for m in (*attn, "o_proj", *mlp, "down_proj") if m not in self.lora_unservable[0])
+        _, fused, down = self.mlp_names
+        mlp = (fused,) if self.fused_gate_up else ("gate_proj", "up_proj")
+        return tuple(m for m in (*attn, "o_proj", *mlp, down) if m not in self.lora_unservable[0])
+
+    @property
+    def fused_lora_names(self) -> dict[str, tuple[str, ...]]:
+        """HF modules this family holds in place of PEFT's usual names (`ALL_LINEAR`), and the names they stand for:
+        fused projections (Phi-3's qkv_proj, gate_up_proj) and renamed ones (Granite 4.0's output_linear)."""
+        _, fused, down = self.mlp_names
+        names = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), fused: ("gate_proj", "up_proj")}
+        return {**names, down: ("down_proj",)} if down != "down_proj" else names
 
 
 @dataclass(frozen=True)
@@ -407,7 +421,7 @@ def read_arch(config: dict[str, Any], tensor_names: Iterable[str], families: dic
         num_heads=heads,
         num_kv_heads=int(_value(config, "num_key_value_heads", heads)),
         head_dim=extra.pop("head_dim", int(_value(config, "head_dim", hidden // heads))),  # MLA: q's head
-        ffn_hidden_size=int(config["intermediate_size"]),
+        ffn_hidden_size=extra.pop("ffn_hidden_size", int(config["intermediate_size"])),
         norm_eps=float(_value(config, "rms_norm_eps", 1e-6)),
         max_position_embeddings=int(_value(config, "max_position_embeddings", 4096)),
         tied_embeddings=bool(_value(config, "tie_word_embeddings", False)),
@@ -417,6 +431,7 @@ def read_arch(config: dict[str, Any], tensor_names: Iterable[str], families: dic
         qk_norm_over_projection=family.qk_norm_over_projection,
         fused_qkv=family.fused_qkv,
         fused_gate_up=family.fused_gate_up,
+        mlp_names=family.mlp_names,
         rope_layers=family.rope_layers(config, layers),
         windows=family.windows(config, layers),
         activation=activation,
@@ -440,7 +455,8 @@ def rules(arch: ModelArch) -> Iterator[Rule]:
     yield Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "dim0")
     for i in range(arch.num_layers):
         hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
-        attn, mlp = hf + "self_attn.", hf + "mlp."
+        attn, mlp = hf + "self_attn.", f"{hf}{arch.mlp_names[0]}."
+        _, fused_fc1, fc2 = arch.mlp_names
         if arch.input_norms:
             yield Rule(mc + "input_layernorm.weight", (hf + "input_layernorm.weight",), "replicated")
         if arch.mla:
@@ -467,11 +483,11 @@ def rules(arch: ModelArch) -> Iterator[Rule]:
         if arch.is_moe(i):
             yield from _expert_rules(arch, hf, mc)
         elif arch.fused_gate_up:
-            yield Rule(mc + "mlp.linear_fc1.weight", (mlp + "gate_up_proj.weight",), "fc1")
+            yield Rule(mc + "mlp.linear_fc1.weight", (f"{mlp}{fused_fc1}.weight",), "fc1")
         else:
             yield Rule(mc + "mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"), "fc1")
         if not arch.is_moe(i):
-            yield Rule(mc + "mlp.linear_fc2.weight", (mlp + "down_proj.weight",), "dim1")
+            yield Rule(mc + "mlp.linear_fc2.weight", (f"{mlp}{fc2}.weight",), "dim1")
     yield Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated")
     if not arch.tied_embeddings:
         yield Rule("output_layer.weight", ("lm_head.weight",), "dim0")
@@ -589,29 +605,28 @@ def check_tensor_parallel(arch: ModelArch, tp: int) -> None:
             raise InvalidRequest(f"tensor_parallel_size {tp} must divide the model's {what} ({n})")
 
 
-_FUSED_HF = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
 def lora_targets(family: Family, target_modules: Iterable[str]) -> list[str]:
     """The HF modules LoRA targets for `target_modules`, in the family's order; InvalidRequest naming what it cannot
     place.
 
-    Where HF fuses modules (Phi-3's qkv_proj, gate_up_proj), naming all of their parts (as the default targets do)
+    Where HF fuses or renames modules (Phi-3's qkv_proj, gate_up_proj; Granite 4.0's input_linear, output_linear),
+    naming all of their parts (as the default targets do)
     targets the fused module; naming only some of them cannot be placed and is refused.
     """
     if family.lora_refusal is not None:
         raise InvalidRequest(f"adapter_type 'lora' is not supported for {family.name}: {family.lora_refusal}; "
                              "use adapter_type 'full'", param="train_args")  # fmt: skip
     allowed = family.lora_targets
+    fused_names = family.fused_lora_names
     requested = set(target_modules)
     unservable, why = family.lora_unservable
     if requested == set(ALL_LINEAR):  # the default: every module an adapter of this family can be served on
-        requested -= {part for fused in unservable for part in (fused, *_FUSED_HF.get(fused, ()))}
+        requested -= {part for fused in unservable for part in (fused, *fused_names.get(fused, ()))}
     for fused in unservable:
-        if named := sorted(requested & {fused, *_FUSED_HF.get(fused, ())}):
+        if named := sorted(requested & {fused, *fused_names.get(fused, ())}):
             raise InvalidRequest(f"lora_config.target_modules {named}: not supported for {family.name}: {why}",
                                  param="train_args")  # fmt: skip
-    for fused, parts in _FUSED_HF.items():
+    for fused, parts in fused_names.items():
         if fused in allowed and requested & set(parts):
             if not requested >= set(parts):
                 raise InvalidRequest(

@@ -25,8 +25,8 @@ from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS
 pytestmark = pytest.mark.slow
 
 FAMILIES = ["qwen3", "qwen3-yarn", "llama3", "phi3", "phi4-mini", "smollm3", "mistral", "gemma", "gemma2", "gemma3",
-            "olmo2", "olmo3", "exaone4", "ernie4.5", "granite", "glm", "glm4", "qwen3-moe", "qwen2-moe", "mixtral",
-            "glm4-moe", "deepseek-v3", "moonlight", "deepseek-v2-lite", "olmoe"]  # fmt: skip
+            "olmo2", "olmo3", "exaone4", "ernie4.5", "granite", "granite4", "glm", "glm4", "qwen3-moe", "qwen2-moe",
+            "mixtral", "glm4-moe", "deepseek-v3", "moonlight", "deepseek-v2-lite", "olmoe"]  # fmt: skip
 # LoRA refused (no MoE adapter rule yet)
 MOE = {"qwen3-moe", "qwen2-moe", "mixtral", "glm4-moe", "deepseek-v3", "moonlight", "deepseek-v2-lite", "olmoe"}
 GRPO_FAMILIES = {"qwen3", *MOE}

@@ -105,3 +105,5 @@ def test_lora_matches_peft(lora, family_models: dict[str, Path], model: str, tp:
     assert r["lora_effect"] > 100 * tolerance, r
     if model_arch(family_models[model]).fused_qkv:
         assert r["target_modules"] == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # what vLLM loads
+    if model == "granite4":  # Granite 4.0's MLP modules, under their own names (what vLLM loads and PEFT wraps)
+        assert r["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "input_linear", "output_linear"], r

@@ -99,6 +99,13 @@ def test_unsupported_architecture_is_named(serve, tiny_model_dir: Path, tmp_path
     _refused(*serve(model), {}, *words)
 
 
+def test_granite4_hybrid_mamba_layers_are_named(serve, family_models: dict[str, Path], tmp_path: Path) -> None:
+    """granite-4.0-h-*'s layout (Mamba-2 layers among the attention ones) on the supported granite4 tiny model."""
+    model = _copy(family_models["granite4"], tmp_path / "granite-4.0-h")
+    _edit_config(model, layer_types=["mamba", "attention"])
+    _refused(*serve(model), {}, "layer_types ['mamba']", "Mamba-2 layers", "granite-4.0-micro")
+
+
 def test_unsupported_activation_and_bias_are_named(serve, tiny_model_dir: Path, tmp_path: Path) -> None:
     model = _copy(tiny_model_dir, tmp_path / "gelu")
     _edit_config(model, hidden_act="gelu")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +37,7 @@ def _names_for(config: dict) -> list[str]:
     shape = ModelArch(family=family.name, vocab_size=1, hidden_size=1, num_layers=config["num_hidden_layers"],
                       num_heads=1, num_kv_heads=1, head_dim=1, ffn_hidden_size=1, norm_eps=0.0, rope_theta=0.0,
                       max_position_embeddings=1, tied_embeddings=tied, qk_layernorm=family.qk_layernorm,
-                      fused_qkv=family.fused_qkv, fused_gate_up=family.fused_gate_up,
+                      fused_qkv=family.fused_qkv, fused_gate_up=family.fused_gate_up, mlp_names=family.mlp_names,
                       sandwich_norms=family.sandwich_norms, input_norms=family.input_norms,
                       qk_norm_over_projection=family.qk_norm_over_projection, norm_names=family.norm_names,
                       qkv_bias=family.qkv_bias_from_weights and bool(config.get("attention_bias")))  # fmt: skip
@@ -53,7 +54,7 @@ def test_registry_names_every_family_once() -> None:
     assert {f.name for f in FAMILY_LIST} == {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma",
                                             "gemma2", "gemma3", "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral",
                                             "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
-                                            "deepseek_v2", "olmoe", "exaone4", "ernie4_5"}
+                                            "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4"}
     assert all(FAMILIES[a] is f for f in FAMILY_LIST for a in f.architectures)
 
 
@@ -219,6 +220,53 @@ def test_ernie4_5_rotates_adjacent_pairs_and_refuses_biases_vllm_would_drop() ->
     assert (arch.rope_theta, arch.qkv_bias, arch.qk_layernorm) == (500000.0, False, False)
     with pytest.raises(InvalidRequest, match="use_bias=true is not supported for ernie4_5"):
         arch_of("Ernie4_5ForCausalLM", use_bias=True)
+
+
+# granite-4.0-micro's fields as its hub config writes them (40 layers, 2 here): every layer "attention", no experts,
+# the MLP's size in shared_intermediate_size, Granite 3's multipliers.
+GRANITE4 = {"layer_types": ["attention", "attention"], "num_local_experts": 0, "num_experts_per_tok": 0,
+            "intermediate_size": 8192, "shared_intermediate_size": 512, "position_embedding_type": "rope",
+            "attention_multiplier": 0.015625, "embedding_multiplier": 12, "residual_multiplier": 0.22,
+            "logits_scaling": 10, "rope_theta": 10000000, "tie_word_embeddings": True}  # fmt: skip
+
+
+def test_granite4_reads_the_shared_mlp_and_granites_multipliers() -> None:
+    arch = arch_of("GraniteMoeHybridForCausalLM", **GRANITE4)
+    assert arch.family == "granite4" and arch.ffn_hidden_size == 512 and arch.fused_gate_up
+    assert (arch.embedding_multiplier, arch.softmax_scale, arch.residual_multiplier, arch.logits_divisor) == (
+        12.0, 0.015625, 0.22, 10.0)  # fmt: skip
+    assert arch.rope_layers == () and arch.rope_theta == 10000000.0
+    mlp = {r.mcore: r.hf for r in rules(arch) if ".mlp." in r.mcore and r.mcore.startswith("decoder.layers.1.")}
+    assert mlp == {"decoder.layers.1.mlp.linear_fc1.weight": ("model.layers.1.shared_mlp.input_linear.weight",),
+                   "decoder.layers.1.mlp.linear_fc2.weight": ("model.layers.1.shared_mlp.output_linear.weight",)}
+    # transformers 5's own names for the layer types; no position embeddings at all unless "rope"
+    assert arch_of("GraniteMoeHybridForCausalLM", **{**GRANITE4, "layer_types": ["full_attention"] * 2}) == arch
+    nope = arch_of("GraniteMoeHybridForCausalLM", **{**GRANITE4, "position_embedding_type": "nope"})
+    assert nope.rope_layers == (False, False)
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [({"layer_types": ["mamba", "attention"]}, "layer_types ['mamba']: Granite 4.0's Mamba-2 layers"),
+     ({"layer_types": None}, "Mamba-2 layers"),  # transformers reads no layer_types as every layer Mamba
+     ({"num_local_experts": 64, "num_experts_per_tok": 6}, "num_local_experts=64: Granite 4.0's routed experts"),
+     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported for granite4")],
+)  # fmt: skip
+def test_granite4_refuses_mamba_layers_and_experts_naming_the_field(changes: dict, words: str) -> None:
+    with pytest.raises(InvalidRequest, match=re.escape(words)):
+        arch_of("GraniteMoeHybridForCausalLM", **{**GRANITE4, **changes})
+
+
+def test_granite4_lora_targets_its_own_mlp_names() -> None:
+    granite4 = BY_NAME["granite4"]
+    mlp = ["input_linear", "output_linear"]
+    assert lora_targets(granite4, ALL_LINEAR) == ["q_proj", "k_proj", "v_proj", "o_proj", *mlp]
+    assert lora_targets(granite4, ["down_proj"]) == ["output_linear"]
+    assert lora_targets(granite4, ["q_proj", *mlp]) == ["q_proj", *mlp]
+    with pytest.raises(InvalidRequest, match=r"fuses \['gate_proj', 'up_proj'\] into 'input_linear'"):
+        lora_targets(granite4, ["gate_proj"])
+    with pytest.raises(InvalidRequest, match=r"\['gate_up_proj'\] not supported for granite4"):
+        lora_targets(granite4, ["gate_up_proj"])
 
 
 # EXAONE-4.0-32B's fields (64 layers, 3 sliding to 1 global, llama3 RoPE), 4 layers here.
