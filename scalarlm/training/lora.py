@@ -32,14 +32,13 @@ from torch import Tensor, nn
 
 from scalarlm.protocol.training import LoraConfig
 from scalarlm.training.families import ModelArch, family_of, layouts
-from scalarlm.training.families.spec import Kind, lora_targets
+from scalarlm.training.families.spec import Kind, hf_projections, lora_targets
 
 
 def linears(arch: ModelArch) -> dict[str, tuple[str, tuple[str, ...], Kind]]:
     """megatron linear -> (HF module path inside a layer, the HF modules it fuses, its TP kind)."""
-    attn = ("qkv_proj",) if arch.fused_qkv else ("q_proj", "k_proj", "v_proj")
-    module, fused, down = arch.mlp_names
-    mlp = (fused,) if arch.fused_gate_up else ("gate_proj", "up_proj")
+    attn, mlp, down = hf_projections(arch.fused_qkv, arch.fused_gate_up, arch.mlp_names)
+    module = arch.mlp_names[0]
     return {
         "self_attention.linear_qkv": ("self_attn", attn, "qkv"),
         "self_attention.linear_proj": ("self_attn", ("o_proj",), "dim1"),

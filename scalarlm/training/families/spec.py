@@ -37,6 +37,15 @@ class Rule:
 
 
 MLP_NAMES = ("mlp", "gate_up_proj", "down_proj")
+
+
+def hf_projections(fused_qkv: bool, fused_gate_up: bool,
+                   mlp_names: tuple[str, str, str]) -> tuple[tuple[str, ...], tuple[str, ...], str]:  # fmt: skip
+    """A dense layer's HF projections (module names, no `.weight`): attention's input (q/k/v or the fused qkv_proj),
+    the MLP's input (gate/up or the family's fused one) and the MLP's down projection."""
+    _, fused, down = mlp_names
+    attn = ("qkv_proj",) if fused_qkv else ("q_proj", "k_proj", "v_proj")
+    return attn, ((fused,) if fused_gate_up else ("gate_proj", "up_proj")), down
 SANDWICH_NORM_NAMES = ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
@@ -213,9 +222,7 @@ class Family:
     @property
     def lora_targets(self) -> tuple[str, ...]:
         """The HF module names (PEFT `target_modules`, what vLLM loads) this family's adapters may target."""
-        attn = ("qkv_proj",) if self.fused_qkv else ("q_proj", "k_proj", "v_proj")
-        _, fused, down = self.mlp_names
-        mlp = (fused,) if self.fused_gate_up else ("gate_proj", "up_proj")
+        attn, mlp, down = hf_projections(self.fused_qkv, self.fused_gate_up, self.mlp_names)
         return tuple(m for m in (*attn, "o_proj", *mlp, down) if m not in self.lora_unservable[0])
 
     @property
@@ -456,15 +463,13 @@ def rules(arch: ModelArch) -> Iterator[Rule]:
     for i in range(arch.num_layers):
         hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
         attn, mlp = hf + "self_attn.", f"{hf}{arch.mlp_names[0]}."
-        _, fused_fc1, fc2 = arch.mlp_names
+        qkv, fc1, fc2 = hf_projections(arch.fused_qkv, arch.fused_gate_up, arch.mlp_names)
         if arch.input_norms:
             yield Rule(mc + "input_layernorm.weight", (hf + "input_layernorm.weight",), "replicated")
         if arch.mla:
             yield from _latent_attention_rules(arch.mla, attn, mc + "self_attention.")
-        elif arch.fused_qkv:
-            yield Rule(mc + "self_attention.linear_qkv.weight", (attn + "qkv_proj.weight",), "qkv")
         else:
-            yield Rule(mc + "self_attention.linear_qkv.weight", tuple(f"{attn}{p}_proj.weight" for p in "qkv"), "qkv")
+            yield Rule(mc + "self_attention.linear_qkv.weight", tuple(f"{attn}{p}.weight" for p in qkv), "qkv")
         if arch.qkv_bias:
             yield Rule(mc + "self_attention.linear_qkv.bias", tuple(f"{attn}{p}_proj.bias" for p in "qkv"), "qkv")
         if arch.qk_layernorm or arch.qk_norm_over_projection:
@@ -482,11 +487,8 @@ def rules(arch: ModelArch) -> Iterator[Rule]:
             yield Rule(mc + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), "replicated")
         if arch.is_moe(i):
             yield from _expert_rules(arch, hf, mc)
-        elif arch.fused_gate_up:
-            yield Rule(mc + "mlp.linear_fc1.weight", (f"{mlp}{fused_fc1}.weight",), "fc1")
         else:
-            yield Rule(mc + "mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"), "fc1")
-        if not arch.is_moe(i):
+            yield Rule(mc + "mlp.linear_fc1.weight", tuple(f"{mlp}{p}.weight" for p in fc1), "fc1")
             yield Rule(mc + "mlp.linear_fc2.weight", (f"{mlp}{fc2}.weight",), "dim1")
     yield Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated")
     if not arch.tied_embeddings:
