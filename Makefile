@@ -18,7 +18,7 @@ demo: install $(TINY)/config.json
 	$(PY) examples/rl_arithmetic.py --short --model $(TINY)
 
 test: install
-	$(PY) -m pytest -q --timeout=900 --durations=40 tests
+	$(PY) -m pytest -q --timeout=900 --durations=40 --junitxml=build/test-report.xml tests
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not slurm" tests

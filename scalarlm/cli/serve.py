@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import ipaddress
 import logging
 import socket
@@ -95,6 +96,7 @@ def serve(settings: Settings) -> int:
         from scalarlm.inference.worker_app import run_worker
 
         result = run_worker(settings)
+        _exit_without_sweep()
         return int(result or 0)
 
     import uvicorn
@@ -115,4 +117,12 @@ def serve(settings: Settings) -> int:
     )
     # SIGTERM: 503 to new requests while in-flight ones finish (at most shutdown_seconds), then exit.
     GracefulServer(config, app.state.drain, settings.server.shutdown_seconds).run(sockets=[listener])
+    _exit_without_sweep()
     return 0
+
+
+def _exit_without_sweep() -> None:
+    """The server has stopped and this process is about to exit: put the heap the app unfroze on leaving (for an app
+    embedded in a longer-lived process) back out of the collector's sight, so the interpreter's last collection does
+    not sweep torch's and vLLM's objects one by one (measured: exit 2.6 s after SIGTERM -> 0.5 s on the tiny model)."""
+    gc.freeze()

@@ -4,13 +4,15 @@ vLLM's `AsyncLLM` runs its `EngineCore` (and, at tensor parallel > 1, its worker
 their sockets forever when the front end dies without shutting them down (SIGKILL, the OOM killer): they keep
 their memory, GPU memory on a GPU node, and a restarted `scalarlm serve` then fails to fit its engine. A
 reaper is a small watcher process started beside the engine: it is told the engine's processes, and when its
-parent dies (or closes the pipe on a normal stop) it SIGTERMs the ones still running, then SIGKILLs them.
+parent dies (or closes the pipe on a normal stop) it SIGTERMs the ones still running, then SIGKILLs them (at once
+those that ignore SIGTERM).
 
 Run as `python -m scalarlm.inference.reaper`: it imports nothing heavy (no torch, no vLLM).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -63,21 +65,39 @@ def _alive(pid: int, ticks: int) -> bool:
     return bool(fields) and fields[0] not in ("Z", "X") and int(fields[19]) == ticks
 
 
+def ignores_sigterm(pid: int) -> bool:
+    """Whether `pid` has SIGTERM ignored (`SigIgn` in /proc/<pid>/status), as multiprocessing's resource tracker,
+    which vLLM's engine start leaves beside the engine core, always has."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next((line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:")), "0")
+    return bool(int(mask, 16) >> (signal.SIGTERM - 1) & 1)
+
+
+def _kill(pids: list[int], processes: dict[int, int]) -> None:
+    for pid in pids:
+        if _alive(pid, processes[pid]):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def reap(processes: dict[int, int]) -> list[int]:
     """SIGTERM the listed processes still running (same start ticks: never a reused pid), SIGKILL those left after
-    the grace period; return the pids signalled."""
+    the grace period; return the pids signalled. A process that ignores SIGTERM gets SIGKILL at once: the grace
+    period could only end in it."""
     live = [pid for pid, ticks in processes.items() if _alive(pid, ticks)]
-    for pid in live:
-        os.kill(pid, signal.SIGTERM)
+    deaf = [pid for pid in live if ignores_sigterm(pid)]
+    _kill(deaf, processes)
+    termed = [pid for pid in live if pid not in deaf]
+    for pid in termed:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + TERM_GRACE_SECONDS
-    while time.monotonic() < deadline and any(_alive(pid, processes[pid]) for pid in live):
+    while time.monotonic() < deadline and any(_alive(pid, processes[pid]) for pid in termed):
         time.sleep(0.1)
-    for pid in live:
-        if _alive(pid, processes[pid]):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    _kill(termed, processes)
     return live
 
 

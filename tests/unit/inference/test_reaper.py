@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 
+from scalarlm.inference.reaper import TERM_GRACE_SECONDS, ignores_sigterm
 from scalarlm.launcher.process import is_alive, start_ticks
 
 PARENT = textwrap.dedent("""
@@ -25,8 +26,9 @@ PARENT = textwrap.dedent("""
     watched = reaper.watch()
     print(before.pid, engine.pid, stubborn.pid, *watched, flush=True)
     if sys.argv[1] == "close":
+        started = time.monotonic()
         reaper.close()
-        print("closed", flush=True)
+        print("closed", time.monotonic() - started, flush=True)
     time.sleep(600)
 """)
 
@@ -58,9 +60,26 @@ def test_a_sigkilled_parent_leaves_no_engine_process_behind() -> None:
 def test_close_after_a_normal_stop_stops_what_the_engine_left() -> None:
     proc, (before, engine, stubborn, *_) = run_parent("close")
     lines = [proc.stdout.readline().strip() for _ in range(2)]  # the reaper reports to the same stdout
-    assert lines[1] == "closed" and lines[0].startswith("scalarlm reaper: the engine's processes"), lines
+    assert lines[1].startswith("closed ") and lines[0].startswith("scalarlm reaper: the engine's processes"), lines
     assert wait_gone([(engine, None), (stubborn, None)], seconds=1.0) == []  # close() waits for the reaper
+    # the process that ignores SIGTERM (as multiprocessing's resource tracker does) is killed without the grace
+    # period, which could only end in SIGKILL
+    assert float(lines[1].split()[1]) < TERM_GRACE_SECONDS
     assert proc.poll() is None and is_alive(before, None)
     proc.kill()
     proc.wait()
     os.kill(before, signal.SIGKILL)
+
+
+def test_ignores_sigterm_reads_the_process_signal_mask() -> None:
+    deaf = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; signal.signal(signal.SIGTERM, "
+                             "signal.SIG_IGN); print(flush=True); time.sleep(600)"], stdout=subprocess.PIPE)
+    plain = subprocess.Popen(["sleep", "600"])
+    try:
+        deaf.stdout.readline()
+        assert ignores_sigterm(deaf.pid) and not ignores_sigterm(plain.pid)
+    finally:
+        for proc in (deaf, plain):
+            proc.kill()
+            proc.wait()
+    assert not ignores_sigterm(plain.pid)  # gone: nothing to read
