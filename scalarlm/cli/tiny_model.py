@@ -22,15 +22,15 @@ logger = logging.getLogger(__name__)
 # `--family` names: the trainer's families (scalarlm.training.families) plus llama3 (Llama with llama3 RoPE).
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3", "olmo2",
             "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
-            "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4")  # fmt: skip
+            "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4", "granitemoe")  # fmt: skip
 Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3",
                  "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe",
-                 "deepseek_v3", "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4"]  # fmt: skip
+                 "deepseek_v3", "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4", "granitemoe"]  # fmt: skip
 # Mixture-of-experts tiny models: 4 experts, 2 per token, each expert's intermediate size hidden / 2.
 TINY_EXPERTS, TINY_TOPK = 4, 2
 # Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3, Gemma).
 TIED_BY_DEFAULT = frozenset({"qwen3", "llama3", "smollm3", "gemma", "gemma2", "gemma3", "granite", "ernie4_5",
-                             "granite4"})  # fmt: skip
+                             "granite4", "granitemoe"})  # fmt: skip
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<unk>"]
 # vLLM's CPU attention kernels support only these head sizes.
@@ -293,6 +293,14 @@ def _family_config(
                                                    logits_scaling=10.0,
                                                    rope_parameters={"rope_type": "default",
                                                                     "rope_theta": 10000000.0})  # fmt: skip
+    if family == "granitemoe":
+        # granite-3.0-1b-a400m's fields (attention 1 / 64, embedding 12, residual 0.22, logits / 6; every layer sparse,
+        # each expert intermediate_size wide), scaled down; transformers saves the experts stacked, as the hub has them.
+        return transformers.GraniteMoeConfig(num_local_experts=TINY_EXPERTS, num_experts_per_tok=TINY_TOPK,
+                                             attention_multiplier=1.0 / head_dim, embedding_multiplier=12.0,
+                                             residual_multiplier=0.22, logits_scaling=6.0, attention_bias=False,
+                                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                             **{**common, "intermediate_size": hidden // 2})  # fmt: skip
     if family == "qwen2_moe":
         # Qwen1.5-MoE-A2.7B's fields (plain top-k, q/k/v biases, a shared expert 4x an expert's size), scaled down.
         return transformers.Qwen2MoeConfig(num_experts=TINY_EXPERTS, num_experts_per_tok=TINY_TOPK,
@@ -455,6 +463,7 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
     "deepseek-v2-lite": dict(family="deepseek_v2", hidden=256, heads=4, kv_heads=4, layers=3, seed=26),
     "granite": dict(family="granite", hidden=256, heads=4, kv_heads=2, seed=17),
     "granite4": dict(family="granite4", hidden=256, heads=4, kv_heads=2, seed=31),
+    "granite-moe": dict(family="granitemoe", hidden=256, heads=4, kv_heads=2, seed=32),
     "glm": dict(family="glm", hidden=256, heads=4, kv_heads=2, seed=20),
     "glm4": dict(family="glm4", hidden=256, heads=4, kv_heads=2, seed=19),
 }

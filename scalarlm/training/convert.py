@@ -7,13 +7,15 @@ as is a missing one. HF -> mcore -> HF is bit-exact.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor
 
 from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.training.families import ModelArch, hf_tensor_names, rules
 from scalarlm.training.families import layouts
-from scalarlm.training.families.spec import Kind, check_tensor_names
+from scalarlm.training.families.spec import Kind, check_tensor_names, unstacked
 
 __all__ = ["hf_tensor_names", "hf_to_mcore", "mark_tensor_parallel", "mcore_to_hf", "tp_kinds"]
 
@@ -24,24 +26,43 @@ def _check_tied_head(hf: dict[str, Tensor], arch: ModelArch) -> None:
         raise InvalidRequest("tie_word_embeddings=true but lm_head.weight differs from the embedding", param="model")
 
 
-def hf_to_mcore(hf: dict[str, Tensor], arch: ModelArch, tp_rank: int = 0, tp: int = 1) -> dict[str, Tensor]:
+def _source(hf: Mapping[str, Tensor], name: str) -> Tensor:
+    """A rule's source tensor: `hf[name]`, or the entry of a stacked tensor `name` names (`spec.stacked`) when `hf`
+    holds the whole stacked tensor."""
+    if name in hf:
+        return hf[name]
+    tensor, index = unstacked(name)
+    return hf[tensor] if index is None else hf[tensor][index]
+
+
+def hf_to_mcore(hf: Mapping[str, Tensor], arch: ModelArch, tp_rank: int = 0, tp: int = 1) -> dict[str, Tensor]:
     """Megatron parameters of TP rank `tp_rank` (of `tp`) from an HF state dict (every tensor must be mapped)."""
     check_tensor_names(arch, set(hf))
     _check_tied_head(hf, arch)
     out = {}
     for rule in rules(arch):
-        full = layouts.to_mcore(rule.kind, [hf[name] for name in rule.hf], arch)
+        full = layouts.to_mcore(rule.kind, [_source(hf, name) for name in rule.hf], arch)
         out[rule.mcore] = layouts.shard(full, rule.kind, tp_rank, tp).contiguous()
     return out
 
 
 def mcore_to_hf(shards: list[dict[str, Tensor]], arch: ModelArch) -> dict[str, Tensor]:
-    """An HF state dict from the megatron parameters of every TP rank (`shards[r]` is rank r's)."""
-    out = {}
+    """An HF state dict from the megatron parameters of every TP rank (`shards[r]` is rank r's); the entries of a
+    stacked tensor are stacked back (every entry must be there: `arch` holds every expert)."""
+    out: dict[str, Tensor] = {}
+    entries: dict[str, dict[int, Tensor]] = {}
     for rule in rules(arch):
         full = layouts.unshard([s[rule.mcore] for s in shards], rule.kind)
         for name, tensor in zip(rule.hf, layouts.to_hf(rule.kind, full, arch, len(rule.hf)), strict=True):
-            out[name] = tensor.contiguous()
+            tensor_name, index = unstacked(name)
+            if index is None:
+                out[name] = tensor.contiguous()
+            else:
+                entries.setdefault(tensor_name, {})[index] = tensor
+    for name, parts in entries.items():
+        if sorted(parts) != list(range(len(parts))):
+            raise ValueError(f"{name}: stacked tensor entries {sorted(parts)} are not 0..n-1 (every expert needed)")
+        out[name] = torch.stack([parts[i] for i in range(len(parts))]).contiguous()
     return out
 
 

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from scalarlm.checkpoint.jobdir import link_or_copy
 from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.training.families.spec import unstacked
 
 INDEX_NAME = "model.safetensors.index.json"
 # Files of a base model that are weights or weight indexes: never copied into a published checkpoint.
@@ -87,7 +88,8 @@ class Weights(Mapping[str, Tensor]):
         return self.read_ranges(name, 0, None)
 
     def __contains__(self, name: object) -> bool:
-        return name in self.files  # Mapping's default would read the tensor
+        # Mapping's default would read the tensor; an entry of a stacked tensor (`spec.stacked`) is in when it is
+        return isinstance(name, str) and unstacked(name)[0] in self.files
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.files)
@@ -96,23 +98,31 @@ class Weights(Mapping[str, Tensor]):
         return len(self.files)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        """The stored shape (header only)."""
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        """The stored shape (header only; of the one entry for a stacked tensor's entry)."""
+        tensor, index = unstacked(name)
+        shape = tuple(self._handle(tensor).get_slice(tensor).get_shape())
+        return shape if index is None else shape[1:]
 
     def source_dtype(self, name: str) -> torch.dtype:
         """The stored dtype (header only)."""
-        return _DTYPES[self._handle(name).get_slice(name).get_dtype()]
+        tensor, _ = unstacked(name)
+        return _DTYPES[self._handle(tensor).get_slice(tensor).get_dtype()]
 
     def read_ranges(self, name: str, axis: int, ranges: Sequence[tuple[int, int]] | None) -> Tensor:
-        """Rows (`axis` 0) or columns (`axis` 1) `ranges` of a tensor, concatenated; None: the whole tensor."""
-        handle = self._handle(name)
-        piece = handle.get_slice(name)
-        if ranges is None:
-            parts = [handle.get_tensor(name)]
+        """Rows (`axis` 0) or columns (`axis` 1) `ranges` of a tensor, concatenated; None: the whole tensor. For an
+        entry of a stacked tensor (`spec.stacked`) the rows and columns are the entry's: only it is read."""
+        tensor, index = unstacked(name)
+        handle = self._handle(tensor)
+        piece = handle.get_slice(tensor)
+        at: tuple[int, ...] = () if index is None else (index,)
+        if index is None and ranges is None:
+            parts = [handle.get_tensor(tensor)]
+        elif ranges is None:
+            parts = [piece[index]]
         elif axis == 0:
-            parts = [piece[a:b] for a, b in ranges]
+            parts = [piece[(*at, slice(a, b))] for a, b in ranges]
         elif axis == 1:
-            parts = [piece[:, a:b] for a, b in ranges]
+            parts = [piece[(*at, slice(None), slice(a, b))] for a, b in ranges]
         else:
             raise ValueError(f"axis must be 0 or 1, got {axis}")
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=axis)

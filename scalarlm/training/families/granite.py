@@ -4,6 +4,12 @@ The embeddings are multiplied by `embedding_multiplier`, the attention scores sc
 place of head_dim ** -0.5), each attention and MLP output multiplied by `residual_multiplier` before its residual add,
 and the output logits divided by `logits_scaling`, as transformers and vLLM compute them.
 
+Granite 3.x MoE (`GraniteMoeForCausalLM`: granite-3.0-1b-a400m, -3b-a800m, granite-3.1 likewise) is the same layers
+with every MLP a top-k mixture of experts, Mixtral's routing (softmax over the top k logits), stored as two stacked
+tensors per layer: `block_sparse_moe.input_linear` [E, 2I, H] (each expert's [gate; up]) and `output_linear` [E, H, I],
+routed by `block_sparse_moe.router.layer`. Its sibling with a shared MLP beside the experts
+(`GraniteMoeSharedForCausalLM`) is refused.
+
 Granite 4.0's attention-only models (granite-4.0-micro, -1b, -350m; `GraniteMoeHybridForCausalLM` with every
 `layer_types` entry "attention") are the same layers under other names: the MLP is `shared_mlp` with one fused
 `input_linear` ([gate; up], of `shared_intermediate_size`) and `output_linear`; RoPE only where
@@ -16,7 +22,8 @@ from __future__ import annotations
 from typing import Any
 
 from scalarlm.protocol.errors import InvalidRequest
-from scalarlm.training.families.spec import Family
+from scalarlm.training.families.moe import LORA_REFUSAL, top_k_experts
+from scalarlm.training.families.spec import Family, Refused
 
 GRANITE4_ATTENTION = ("attention", "full_attention")  # `layer_types` of an attention layer (transformers 5 renames it)
 
@@ -46,6 +53,27 @@ GRANITE = Family(
 )
 
 
+def _granite_moe_extra(config: dict[str, Any]) -> dict[str, Any]:
+    """Granite 3 MoE: the multipliers, and every layer's experts as two stacked tensors (`stacked_experts`) routed by
+    `router.layer`: the top k of the logits, softmaxed (= the renormalised top k)."""
+    return {
+        **_multipliers(config),
+        **top_k_experts(config, True),
+        "moe_ffn_hidden_size": int(config["intermediate_size"]),
+        "expert_names": ("block_sparse_moe", "router.layer", "input_linear", "", "output_linear"),
+        "stacked_experts": True,
+    }
+
+
+GRANITE_MOE = Family(
+    name="granitemoe",
+    architectures=("GraniteMoeForCausalLM",),
+    extra=_granite_moe_extra,
+    lora_refusal=LORA_REFUSAL,
+    notes="Granite 3.x MoE: Granite's multipliers + top-k experts stored stacked (block_sparse_moe.input_linear)",
+)
+
+
 def _granite4_refuse(config: dict[str, Any]) -> None:
     """Mamba-2 layers (transformers reads a config without `layer_types` as all Mamba) and routed experts."""
     types = config.get("layer_types") or config.get("layers_block_type")
@@ -72,4 +100,9 @@ GRANITE4 = Family(
     rope_layers=lambda config, layers: () if config.get("position_embedding_type") == "rope" else (False,) * layers,
     extra=_granite4_extra,
     notes="Granite 4.0 attention-only: Granite 3's multipliers, shared_mlp.input_linear ([gate; up]) / output_linear",
+)
+
+REFUSED = (
+    Refused(("GraniteMoeSharedForCausalLM",),
+            "Granite's MoE with a shared MLP beside the experts is not supported (GraniteMoeForCausalLM is)"),
 )

@@ -34,7 +34,9 @@ from scalarlm.training.families.spec import Family, every_layer_window, layer_ty
 LORA_REFUSAL = "LoRA on mixture-of-experts layers is not implemented (neither dense-only nor per-expert adapters)"
 
 
-def _experts(config: dict[str, Any], norm_topk: bool) -> dict[str, Any]:
+def top_k_experts(config: dict[str, Any], norm_topk: bool) -> dict[str, Any]:
+    """`num_experts` (or `num_local_experts`) routed experts, `num_experts_per_tok` of them per token, the top k
+    renormalised when `norm_topk`."""
     # The hub's Qwen3-MoE configs say `num_experts`; transformers 5 saves it as `num_local_experts` (Mixtral's name).
     count_field = "num_experts" if config.get("num_experts") is not None else "num_local_experts"
     experts = int(config.get(count_field) or 0)
@@ -55,7 +57,7 @@ def _qwen_moe(config: dict[str, Any]) -> dict[str, Any]:
         raise InvalidRequest(f"mlp_only_layers {sorted(dense)} name layers the model does not have", param="model")
     sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
     return {
-        **_experts(config, bool(config.get("norm_topk_prob"))),
+        **top_k_experts(config, bool(config.get("norm_topk_prob"))),
         "moe_ffn_hidden_size": int(config["moe_intermediate_size"]),
         "moe_layers": () if all(sparse) else sparse,
         "expert_names": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
@@ -79,7 +81,7 @@ def _mixtral(config: dict[str, Any]) -> dict[str, Any]:
         raise InvalidRequest(f"router_jitter_noise={config['router_jitter_noise']} is not supported "
                              "(megatron jitters only the router's input, HF the experts' too)", param="model")  # fmt: skip
     return {
-        **_experts(config, True),
+        **top_k_experts(config, True),
         "moe_ffn_hidden_size": int(config["intermediate_size"]),
         "expert_names": ("block_sparse_moe", "gate", "w1", "w3", "w2"),
     }
@@ -97,7 +99,7 @@ def _olmoe(config: dict[str, Any]) -> dict[str, Any]:
                              "with eps 1e-5 whatever the config says (the released models' value)",
                              param="model")  # fmt: skip
     return {
-        **_experts(config, bool(config.get("norm_topk_prob"))),
+        **top_k_experts(config, bool(config.get("norm_topk_prob"))),
         "moe_ffn_hidden_size": int(config["intermediate_size"]),
         "expert_names": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
     }

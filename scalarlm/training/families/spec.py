@@ -46,6 +46,22 @@ def hf_projections(fused_qkv: bool, fused_gate_up: bool,
     _, fused, down = mlp_names
     attn = ("qkv_proj",) if fused_qkv else ("q_proj", "k_proj", "v_proj")
     return attn, ((fused,) if fused_gate_up else ("gate_proj", "up_proj")), down
+
+
+def stacked(name: str, index: int) -> str:
+    """The source name of entry `index` of a stacked HF tensor (Granite 3 MoE's experts, [E, ...] in one tensor): the
+    readers (`hf_io.Weights`, `convert`) take that slice; `convert.mcore_to_hf` stacks the entries back."""
+    return f"{name}[{index}]"
+
+
+def unstacked(name: str) -> tuple[str, int | None]:
+    """(the HF tensor, the entry) of a `stacked` source name; (name, None) for a whole tensor."""
+    if not name.endswith("]") or "[" not in name:
+        return name, None
+    base, _, index = name[:-1].rpartition("[")
+    return base, int(index)
+
+
 SANDWICH_NORM_NAMES = ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
@@ -143,6 +159,9 @@ class ModelArch:
     mtp_layers: int = 0  # multi-token-prediction layers after the last one in the checkpoint (not trained: skipped)
     moe_layers: tuple[bool, ...] = ()
     expert_names: tuple[str, str, str, str, str] = ()
+    # The experts are two stacked tensors per layer (Granite 3 MoE): `expert_names`' gate is the [E, 2I, H] tensor of
+    # every expert's [gate; up], its down the [E, H, I] one (its up is unused), each expert's rule reads its slice.
+    stacked_experts: bool = False
     # Expert parallelism: (this rank's index, ranks) in the expert-parallel group. Rank r holds experts
     # r * E / ranks ... (r + 1) * E / ranks - 1 as its local experts 0, 1, ...; (0, 1): every expert.
     expert_shard: tuple[int, int] = (0, 1)
@@ -524,14 +543,19 @@ def _expert_rules(arch: ModelArch, hf: str, mc: str) -> Iterator[Rule]:
         if arch.moe_shared_gate:
             yield Rule(dst + "gate_weight", (f"{hf}{block}.shared_expert_gate.weight",), "replicated")
     for local, e in enumerate(arch.local_experts):
-        src, dst = f"{hf}{block}.experts.{e}.", f"{mc}{LOCAL_EXPERTS}{local}."
+        dst = f"{mc}{LOCAL_EXPERTS}{local}."
+        if arch.stacked_experts:
+            yield Rule(dst + "linear_fc1.weight", (stacked(f"{hf}{block}.{gate}.weight", e),), "fc1")
+            yield Rule(dst + "linear_fc2.weight", (stacked(f"{hf}{block}.{down}.weight", e),), "dim1")
+            continue
+        src = f"{hf}{block}.experts.{e}."
         yield Rule(dst + "linear_fc1.weight", (f"{src}{gate}.weight", f"{src}{up}.weight"), "fc1")
         yield Rule(dst + "linear_fc2.weight", (f"{src}{down}.weight",), "dim1")
 
 
 def hf_tensor_names(arch: ModelArch) -> list[str]:
-    """The HF tensor names a checkpoint of `arch` holds (what `mcore_to_hf` produces)."""
-    return [name for rule in rules(arch) for name in rule.hf]
+    """The HF tensor names a checkpoint of `arch` holds (what `mcore_to_hf` produces), each once."""
+    return list(dict.fromkeys(unstacked(name)[0] for rule in rules(arch) for name in rule.hf))
 
 
 def tolerated(arch: ModelArch, name: str) -> bool:
@@ -546,6 +570,7 @@ def tolerated(arch: ModelArch, name: str) -> bool:
 def check_tensor_names(arch: ModelArch, names: set[str]) -> None:
     """InvalidRequest naming tensors no rule maps (they would be dropped silently) or that the rules need (of an
     expert-parallel rank's arch: the checkpoint's tensors of other ranks' experts are not unmapped)."""
+    names = {unstacked(name)[0] for name in names}  # a rank's slices of stacked tensors name the tensors
     expected = set(hf_tensor_names(arch))
     every = set(hf_tensor_names(whole_model(arch)))
     unmapped = sorted(n for n in names - every if not tolerated(arch, n))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from moe_single import loaded_model, run_each
+from moe_single import hook_hf_router, loaded_model, run_each
 
 COEF = 0.05
 SEQ = 40
@@ -89,9 +89,9 @@ def check(model_dir: Path) -> dict:
 
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     sparse = [i for i in range(arch.num_layers) if arch.is_moe(i)]
-    hf_logits: list[np.ndarray] = []  # each sparse block's router (`gate`) logits, the first of what it returns
-    hooks = [ref.model.layers[i].mlp.gate.register_forward_hook(
-        lambda m, a, out: hf_logits.append(out[0].float().numpy())) for i in sparse]  # fmt: skip
+    hf_logits: list[np.ndarray] = []  # each sparse block's router logits
+    hooks = [hook_hf_router(ref.model.layers[i], lambda out: hf_logits.append(out["logits"].float().numpy()))
+             for i in sparse]  # fmt: skip
     with torch.no_grad():
         ref(ids)
     for hook in hooks:

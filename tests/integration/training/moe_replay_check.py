@@ -48,7 +48,7 @@ def reference(h: torch.Tensor, mlp, experts: torch.Tensor, arch) -> torch.Tensor
     if shared is not None:
         gate = getattr(shared, "gate_weight", None)
         out += (1.0 if gate is None else torch.sigmoid(h @ gate.double().t())) * swiglu(shared)
-    return out
+    return out * (arch.residual_multiplier or 1.0)  # Granite scales the block's output (a hook on megatron's block)
 
 
 def check(model_dir: Path) -> dict:

@@ -1,5 +1,6 @@
 """Shared by the MoE check scripts: a megatron model loaded from an HF directory (at TP=1, or this rank's shard), and
-the main that runs a one-process check on each directory named on the command line."""
+the main that runs a one-process check on each directory named on the command line, and the hook on transformers'
+routers."""
 
 from __future__ import annotations
 
@@ -8,6 +9,23 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+
+def hf_sparse_block(layer):
+    """A transformers decoder layer's sparse block: `mlp` in transformers 5 (Mixtral too), Granite MoE's
+    `block_sparse_moe`."""
+    return layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe
+
+
+def hook_hf_router(layer, record: Callable[[dict], None]):
+    """Call `record` with the router's `logits`, the chosen experts' `weights` and their `index` on each forward of
+    the layer's HF router: `gate` returns them in that order, Granite MoE's `router` as (index, weights, logits)."""
+    block = hf_sparse_block(layer)
+    if hasattr(block, "gate"):
+        return block.gate.register_forward_hook(
+            lambda m, a, out: record({"logits": out[0], "weights": out[1], "index": out[2]}))  # fmt: skip
+    return block.router.register_forward_hook(
+        lambda m, a, out: record({"index": out[0], "weights": out[1], "logits": out[2]}))  # fmt: skip
 
 
 def load_into(model, model_dir: Path, arch, par=None) -> int:

@@ -2,7 +2,8 @@
 TP=1, TP=2, and EP=2, where each rank holds and reads only half the experts and runs its own batch).
 
 On each MoE tiny model of `FAMILY_TINY_MODELS` (Qwen3-MoE with renormalised top-k, Qwen3-MoE with plain top-k and a
-dense layer between sparse ones, Qwen2-MoE, Mixtral, GLM-4.5 with sigmoid group-limited routing): megatron's fp32 router
+dense layer between sparse ones, Qwen2-MoE, Mixtral, GLM-4.5 with sigmoid group-limited routing, Granite 3 MoE with its
+experts stacked in two tensors per layer, read one expert's slice at a time): megatron's fp32 router
 logits, the experts it chooses for every token, the routing probabilities, each MoE block's output and the whole-model
 logits equal transformers' in fp32. Whole-model logits on packed documents and long sequences, and the bit-exact HF ->
 mcore -> HF round trip, are in test_family_parity.py (the same tiny models). Also here: real SFT jobs at one rank, DP=2
@@ -24,7 +25,8 @@ from trainer_jobs import mpi_env, require_mpirun
 from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS
 
 HERE = Path(__file__).parent
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3", "deepseek_v2", "olmoe")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3", "deepseek_v2", "olmoe",
+                "granitemoe")  # fmt: skip
 MOE_MODELS = sorted(name for name, spec in FAMILY_TINY_MODELS.items() if spec["family"] in MOE_FAMILIES)
 TOLERANCE = 1e-5  # fp32 against float64 or NumPy
 # fp32 router logits, probabilities, layer outputs and logits (values up to ~7) against transformers': measured
@@ -73,8 +75,8 @@ def results(moe_models: dict[str, Path]):
 
 
 def test_the_moe_tiny_models_cover_every_moe_family_and_every_routing() -> None:
-    assert MOE_MODELS == ["deepseek-v2-lite", "deepseek-v3", "glm4-moe", "mixtral", "moonlight", "olmoe", "qwen2-moe",
-                          "qwen3-moe", "qwen3-moe-mixed"]
+    assert MOE_MODELS == ["deepseek-v2-lite", "deepseek-v3", "glm4-moe", "granite-moe", "mixtral", "moonlight", "olmoe",
+                          "qwen2-moe", "qwen3-moe", "qwen3-moe-mixed"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

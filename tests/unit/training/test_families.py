@@ -54,7 +54,8 @@ def test_registry_names_every_family_once() -> None:
     assert {f.name for f in FAMILY_LIST} == {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma",
                                             "gemma2", "gemma3", "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral",
                                             "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
-                                            "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4"}
+                                            "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4",
+                                            "granitemoe"}
     assert all(FAMILIES[a] is f for f in FAMILY_LIST for a in f.architectures)
 
 

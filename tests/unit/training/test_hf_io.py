@@ -85,3 +85,20 @@ def test_publish_keeps_base_names_no_rule_produces(tmp_path: Path) -> None:
     assert torch.equal(out["lm_head.weight"], embed + 1) and out["lm_head.weight"].data_ptr() != embed.data_ptr()
     assert torch.equal(out["model.layers.0.self_attn.rotary_emb.inv_freq"], inv_freq)
     assert keep_source_names(trained, tmp_path, tied=False).keys() == set(base) - {"lm_head.weight"}
+
+
+def test_an_entry_of_a_stacked_tensor_reads_only_its_slice(tmp_path: Path) -> None:
+    """Granite 3 MoE's experts: one [E, 2I, H] tensor; `spec.stacked(name, e)` names expert e's [2I, H] slice, whose
+    rows and columns are read alone (what a TP or EP rank holds)."""
+    from scalarlm.training.families.spec import stacked
+
+    experts = torch.randn(4, 6, 5, generator=torch.Generator().manual_seed(1))
+    hf_io.save_safetensors(tmp_path, {"w": experts})
+    name = stacked("w", 2)
+    with hf_io.Weights(tmp_path, dtype=None) as w:
+        assert name in w and stacked("nope", 0) not in w and w.shape(name) == (6, 5)
+        assert w.source_dtype(name) == torch.float32
+        assert torch.equal(w[name], experts[2]) and w.bytes_read == 6 * 5 * 4
+        assert torch.equal(w.read_ranges(name, 0, [(0, 1), (3, 5)]), torch.cat([experts[2, 0:1], experts[2, 3:5]]))
+        assert torch.equal(w.read_ranges(name, 1, [(1, 3)]), experts[2, :, 1:3])
+        assert w.reads[-1] == (name, (6, 2))

@@ -1,6 +1,6 @@
-"""The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, OLMoE) without torch: what they read from
-the config, their per-expert tensor rules, what they refuse (naming the field), and LoRA refused at submission naming
-adapter_type."""
+"""The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, OLMoE, Granite 3 MoE) without torch:
+what they read from the config, their per-expert tensor rules (Granite's: slices of stacked tensors), what they
+refuse (naming the field), and LoRA refused at submission naming adapter_type."""
 
 from __future__ import annotations
 
@@ -248,3 +248,48 @@ def test_grpo_iteration_and_routing_replay_settings_that_cannot_work_are_refused
         TrainArgs(loss="grpo", routing_replay=True)
     with pytest.raises(ValueError, match="num_iterations and routing_replay are GRPO settings"):
         TrainArgs(num_iterations=2)
+
+
+# granite-3.0-1b-a400m's fields, scaled down: every layer sparse, the experts stacked in two tensors per layer.
+GRANITE_MOE = {**BASE, "architectures": ["GraniteMoeForCausalLM"], "num_local_experts": 4, "intermediate_size": 128,
+               "embedding_multiplier": 12.0, "attention_multiplier": 0.015625, "residual_multiplier": 0.22,
+               "logits_scaling": 6.0, "tie_word_embeddings": True}  # fmt: skip
+GRANITE_NAMES = ["model.embed_tokens.weight", "model.norm.weight"] + [
+    f"model.layers.{i}.{name}.weight" for i in range(3)
+    for name in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+                 "self_attn.v_proj", "self_attn.o_proj", "block_sparse_moe.router.layer",
+                 "block_sparse_moe.input_linear", "block_sparse_moe.output_linear")]  # fmt: skip
+
+
+def test_granite_moe_reads_each_experts_slice_of_the_stacked_tensors() -> None:
+    from scalarlm.training.families import expert_rank
+
+    arch = read_arch(GRANITE_MOE, GRANITE_NAMES)
+    assert (arch.family, arch.num_experts, arch.moe_topk, arch.moe_ffn_hidden_size) == ("granitemoe", 4, 2, 128)
+    assert arch.moe_norm_topk and arch.stacked_experts and all(arch.is_moe(i) for i in range(3))
+    assert (arch.embedding_multiplier, arch.softmax_scale, arch.residual_multiplier, arch.logits_divisor) == (
+        12.0, 0.015625, 0.22, 6.0)  # fmt: skip
+    by = {r.mcore: (r.hf, r.kind) for r in rules(arch)}
+    layer = "decoder.layers.2.mlp."
+    assert by[layer + "router.weight"] == (("model.layers.2.block_sparse_moe.router.layer.weight",), "replicated")
+    assert by[layer + "experts.local_experts.1.linear_fc1.weight"] == (
+        ("model.layers.2.block_sparse_moe.input_linear.weight[1]",), "fc1")  # fmt: skip
+    assert by[layer + "experts.local_experts.3.linear_fc2.weight"] == (
+        ("model.layers.2.block_sparse_moe.output_linear.weight[3]",), "dim1")  # fmt: skip
+    assert sorted(hf_tensor_names(arch)) == sorted(GRANITE_NAMES)  # each stacked tensor named once
+    second = {r.mcore: r.hf for r in rules(expert_rank(arch, 1, 2))}  # EP rank 1 holds experts 2 and 3
+    assert second[layer + "experts.local_experts.0.linear_fc1.weight"] == (
+        "model.layers.2.block_sparse_moe.input_linear.weight[2]",)  # fmt: skip
+
+
+@pytest.mark.parametrize(("config", "names", "words"), [
+    (GRANITE_MOE, [n for n in GRANITE_NAMES if "output_linear" not in n],
+     r"lacks 3 tensor\(s\), e.g. \[.model.layers.0.block_sparse_moe.output_linear.weight."),
+    (GRANITE_MOE, [*GRANITE_NAMES, "model.layers.0.shared_mlp.input_linear.weight"], "map to nothing"),
+    ({**GRANITE_MOE, "architectures": ["GraniteMoeSharedForCausalLM"], "shared_intermediate_size": 256},
+     GRANITE_NAMES, "GraniteMoeSharedForCausalLM' is not supported: Granite's MoE with a shared MLP"),
+    ({**GRANITE_MOE, "num_experts_per_tok": 5}, GRANITE_NAMES, "num_local_experts=4 with num_experts_per_tok=5"),
+])  # fmt: skip
+def test_granite_moe_refusals_name_what_to_fix(config: dict, names: list[str], words: str) -> None:
+    with pytest.raises(InvalidRequest, match=words):
+        read_arch(config, names)
