@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -54,9 +55,18 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
-@contextmanager
-def start_serve(tmp: Path, model: Path, env: dict[str, str] | None = None) -> Iterator[tuple[str, Path, int]]:
-    """A real `scalarlm serve` on a free port with its home under `tmp`: (URL, home, pid), stopped with SIGTERM."""
+@dataclass
+class ServeLaunch:
+    """A `scalarlm serve` process started by `launch_serve`, not yet known to be up."""
+
+    proc: subprocess.Popen
+    url: str
+    home: Path
+    log: Path
+
+
+def launch_serve(tmp: Path, model: Path, env: dict[str, str] | None = None) -> ServeLaunch:
+    """Start a real `scalarlm serve` on a free port with its home under `tmp` (`wait_serving`, then `stop_serve`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -65,30 +75,60 @@ def start_serve(tmp: Path, model: Path, env: dict[str, str] | None = None) -> It
                "--home", str(tmp / "home"), "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
     with log.open("wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"scalarlm serve exited with {proc.returncode}:\n{log.read_text()[-6000:]}")
-            try:
-                if httpx.get(f"{url}/v1/health", timeout=5).json().get("all") == "up":
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"scalarlm serve not up after 600 s:\n{log.read_text()[-6000:]}")
-            time.sleep(0.5)
-        yield url, tmp / "home", proc.pid
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            pytest.fail(f"scalarlm serve ignored SIGTERM for 60 s:\n{log.read_text()[-3000:]}")
+    return ServeLaunch(proc, f"http://127.0.0.1:{port}", tmp / "home", log)
 
+
+def wait_serving(launch: ServeLaunch) -> None:
+    """Until `/v1/health` says every part is up; the test fails with the log if the server exits or takes 600 s."""
+    deadline = time.monotonic() + 600
+    while True:
+        if launch.proc.poll() is not None:
+            pytest.fail(f"scalarlm serve exited with {launch.proc.returncode}:\n{launch.log.read_text()[-6000:]}")
+        try:
+            if httpx.get(f"{launch.url}/v1/health", timeout=5).json().get("all") == "up":
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"scalarlm serve not up after 600 s:\n{launch.log.read_text()[-6000:]}")
+        time.sleep(0.5)
+
+
+def stop_serve(launch: ServeLaunch) -> None:
+    """SIGTERM; the test fails (after a SIGKILL) if the server ignores it for 60 s."""
+    launch.proc.send_signal(signal.SIGTERM)
+    try:
+        launch.proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        launch.proc.kill()
+        launch.proc.wait()
+        pytest.fail(f"scalarlm serve ignored SIGTERM for 60 s:\n{launch.log.read_text()[-3000:]}")
+
+
+@contextmanager
+def start_serve(tmp: Path, model: Path, env: dict[str, str] | None = None) -> Iterator[tuple[str, Path, int]]:
+    """A real `scalarlm serve` on a free port with its home under `tmp`: (URL, home, pid), stopped with SIGTERM."""
+    launch = launch_serve(tmp, model, env)
+    try:
+        wait_serving(launch)
+        yield launch.url, launch.home, launch.proc.pid
+    finally:
+        stop_serve(launch)
+
+
+@dataclass(frozen=True)
+class ServeSteps:
+    """`scalarlm serve`'s start in three steps, for a fixture that boots the next server while tests use this one."""
+
+    launch: Callable[..., ServeLaunch] = launch_serve
+    wait: Callable[[ServeLaunch], None] = wait_serving
+    stop: Callable[[ServeLaunch], None] = stop_serve
+
+
+@pytest.fixture(scope="session")
+def serve_steps() -> ServeSteps:
+    """`launch_serve`, `wait_serving` and `stop_serve`."""
+    return ServeSteps()
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ served greedy answer for the job, after the hot swap, equals `transformers` gree
 trains and publishes for qwen3 and the MoE families (GRPO_FAMILIES): the rest of the dense families' GRPO path is
 their SFT forward (a token's logprob is minus its cross-entropy), which their SFT jobs here and test_family_parity
 check, and the loss itself is family-blind (tests/unit/training/test_grpo.py, test_grpo_padding_free). One
-module-scoped server per family, a few steps per job. Mixture-of-experts families (qwen3-moe, qwen2-moe, mixtral)
+module-scoped server per family (the next family's boots while this one's tests run), a few steps per job. Mixture-of-experts families (qwen3-moe, qwen2-moe, mixtral)
 train full weights only and are served after the same hot swap; their LoRA job is refused at submission with a 400
 naming adapter_type; their GRPO job takes two steps per batch with routing replay off and on, and reports the
 changed-routing fraction.
@@ -13,7 +13,7 @@ changed-routing fraction.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,17 +37,49 @@ TOKENS = 6
 TRAIN = {"max_steps": 4, "learning_rate": 1e-2, "steps_per_checkpoint": 4, "max_seq_len": 64, "dtype": "float32"}
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def family_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-                  serve_process: Callable[..., Any]) -> Iterator[tuple[str, str, Path]]:  # fmt: skip
-    """(family, URL, base model dir) of a real `scalarlm serve` whose base is the family's tiny model."""
+# The next family's server, booting while this family's tests run (its start is mostly imports on one core, theirs
+# mostly trainer processes): {family: (the started `scalarlm serve`, its base model dir)}.
+_AHEAD: dict[str, tuple[Any, Path]] = {}
+
+
+def _launch(name: str, tmp_path_factory: pytest.TempPathFactory, steps: Any) -> tuple[Any, Path]:
     from scalarlm.cli.tiny_model import make_tiny_model
 
-    name = request.param
     root = tmp_path_factory.mktemp(f"serve-{name}")
     model = make_tiny_model(root / name, **FAMILY_TINY_MODELS[name])
-    with serve_process(root, model) as (url, _, _):
-        yield name, url, model
+    return steps.launch(root, model), model
+
+
+def _next_selected(session: pytest.Session, name: str) -> str | None:
+    """The family after `name` whose tests this run selected (None: none)."""
+    chosen = {item.callspec.params.get("family_server") for item in session.items if hasattr(item, "callspec")}
+    return next((f for f in FAMILIES[FAMILIES.index(name) + 1 :] if f in chosen), None)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                  serve_steps: Any) -> Iterator[tuple[str, str, Path]]:  # fmt: skip
+    """(family, URL, base model dir) of a real `scalarlm serve` whose base is the family's tiny model; once it is up,
+    the next family's server starts booting."""
+    name = request.param
+    launch, model = _AHEAD.pop(name, None) or _launch(name, tmp_path_factory, serve_steps)
+    try:
+        serve_steps.wait(launch)
+        following = _next_selected(request.session, name)
+        if following is not None and following not in _AHEAD:
+            _AHEAD[following] = _launch(following, tmp_path_factory, serve_steps)
+        yield name, launch.url, model
+    finally:
+        serve_steps.stop(launch)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_server_left_booting(serve_steps: Any) -> Iterator[None]:
+    """A server booted ahead for tests that did not run (an error, -x) stops with the module."""
+    yield
+    while _AHEAD:
+        launch, _ = _AHEAD.popitem()[1]
+        serve_steps.stop(launch)
 
 
 def _hf_greedy(base: Path, checkpoint: Path) -> list[str]:
