@@ -5,10 +5,10 @@ served greedy answer for the job, after the hot swap, equals `transformers` gree
 trains and publishes for qwen3 and the MoE families (GRPO_FAMILIES): the rest of the dense families' GRPO path is
 their SFT forward (a token's logprob is minus its cross-entropy), which their SFT jobs here and test_family_parity
 check, and the loss itself is family-blind (tests/unit/training/test_grpo.py, test_grpo_padding_free). One
-module-scoped server per family (the next family's boots while this one's tests run), a few steps per job. Mixture-of-experts families (qwen3-moe, qwen2-moe, mixtral)
-train full weights only and are served after the same hot swap; their LoRA job is refused at submission with a 400
-naming adapter_type; their GRPO job takes two steps per batch with routing replay off and on, and reports the
-changed-routing fraction.
+module-scoped server per family (the next family's boots while this one's tests run), a few steps per job.
+Mixture-of-experts families (MOE) train full weights only and are served after the same hot swap; their LoRA job is
+refused at submission with a 400 naming adapter_type; their GRPO job takes two steps per batch with routing replay off
+and on, and reports the changed-routing fraction.
 """
 
 from __future__ import annotations
