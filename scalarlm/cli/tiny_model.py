@@ -22,10 +22,11 @@ logger = logging.getLogger(__name__)
 # `--family` names: the trainer's families (scalarlm.training.families) plus llama3 (Llama with llama3 RoPE).
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3", "olmo2",
             "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
-            "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4", "granitemoe")  # fmt: skip
+            "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4", "granitemoe", "gpt_oss")  # fmt: skip
 Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3",
                  "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe",
-                 "deepseek_v3", "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4", "granitemoe"]  # fmt: skip
+                 "deepseek_v3", "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4", "granitemoe",
+                 "gpt_oss"]  # fmt: skip
 # Mixture-of-experts tiny models: 4 experts, 2 per token, each expert's intermediate size hidden / 2.
 TINY_EXPERTS, TINY_TOPK = 4, 2
 # Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3, Gemma).
@@ -301,6 +302,17 @@ def _family_config(
                                              residual_multiplier=0.22, logits_scaling=6.0, attention_bias=False,
                                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                                              **{**common, "intermediate_size": hidden // 2})  # fmt: skip
+    if family == "gpt_oss":
+        # gpt-oss-20b's fields (sliding window on the even layers, YaRN with truncate false, every layer sparse, each
+        # expert intermediate_size wide), scaled down: the window to 8, the original context to 128 (so the 600-token
+        # parity sequence reaches past both).
+        return transformers.GptOssConfig(head_dim=head_dim, num_local_experts=TINY_EXPERTS,
+                                         num_experts_per_tok=TINY_TOPK, sliding_window=8, attention_bias=True,
+                                         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                                                          "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                          "original_max_position_embeddings": 128},
+                                         **{**common, "intermediate_size": hidden // 2,
+                                            "rms_norm_eps": 1e-5})  # fmt: skip
     if family == "qwen2_moe":
         # Qwen1.5-MoE-A2.7B's fields (plain top-k, q/k/v biases, a shared expert 4x an expert's size), scaled down.
         return transformers.Qwen2MoeConfig(num_experts=TINY_EXPERTS, num_experts_per_tok=TINY_TOPK,
@@ -340,6 +352,10 @@ def _randomize(model, seed: int) -> None:
             if "norm" in name:
                 # Non-unit norm weights make a wrong converter mapping show up in logits.
                 param.copy_(1.0 + 0.1 * noise)
+            elif name.endswith(".sinks"):  # GPT-OSS's sink logits: as large as the attention scores, or larger
+                param.copy_(noise)
+            elif name.endswith("gate_up_proj_bias"):  # GPT-OSS: some gate and up inputs past its clamp at +-7
+                param.copy_(4.0 * noise)
             else:
                 param.copy_(INIT_STD * noise)
         for name, buffer in model.named_buffers():
@@ -464,6 +480,7 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
     "granite": dict(family="granite", hidden=256, heads=4, kv_heads=2, seed=17),
     "granite4": dict(family="granite4", hidden=256, heads=4, kv_heads=2, seed=31),
     "granite-moe": dict(family="granitemoe", hidden=256, heads=4, kv_heads=2, seed=32),
+    "gpt-oss": dict(family="gpt_oss", hidden=256, heads=4, kv_heads=2, seed=33),
     "glm": dict(family="glm", hidden=256, heads=4, kv_heads=2, seed=20),
     "glm4": dict(family="glm4", hidden=256, heads=4, kv_heads=2, seed=19),
 }

@@ -15,7 +15,7 @@ from torch import Tensor
 from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.training.families import ModelArch, hf_tensor_names, rules
 from scalarlm.training.families import layouts
-from scalarlm.training.families.spec import Kind, check_tensor_names, unstacked
+from scalarlm.training.families.spec import Kind, check_tensor_names, entry_view, unstacked
 
 __all__ = ["hf_tensor_names", "hf_to_mcore", "mark_tensor_parallel", "mcore_to_hf", "tp_kinds"]
 
@@ -32,7 +32,7 @@ def _source(hf: Mapping[str, Tensor], name: str) -> Tensor:
     if name in hf:
         return hf[name]
     tensor, index = unstacked(name)
-    return hf[tensor] if index is None else hf[tensor][index]
+    return hf[tensor] if index is None else layouts.view_entry(hf[tensor][index], entry_view(name))
 
 
 def hf_to_mcore(hf: Mapping[str, Tensor], arch: ModelArch, tp_rank: int = 0, tp: int = 1) -> dict[str, Tensor]:
@@ -50,7 +50,7 @@ def mcore_to_hf(shards: list[dict[str, Tensor]], arch: ModelArch) -> dict[str, T
     """An HF state dict from the megatron parameters of every TP rank (`shards[r]` is rank r's); the entries of a
     stacked tensor are stacked back (every entry must be there: `arch` holds every expert)."""
     out: dict[str, Tensor] = {}
-    entries: dict[str, dict[int, Tensor]] = {}
+    entries: dict[str, dict[int, dict[str, Tensor]]] = {}  # stacked tensor -> entry -> view -> tensor
     for rule in rules(arch):
         full = layouts.unshard([s[rule.mcore] for s in shards], rule.kind)
         for name, tensor in zip(rule.hf, layouts.to_hf(rule.kind, full, arch, len(rule.hf)), strict=True):
@@ -58,11 +58,11 @@ def mcore_to_hf(shards: list[dict[str, Tensor]], arch: ModelArch) -> dict[str, T
             if index is None:
                 out[name] = tensor.contiguous()
             else:
-                entries.setdefault(tensor_name, {})[index] = tensor
+                entries.setdefault(tensor_name, {}).setdefault(index, {})[entry_view(name)] = tensor
     for name, parts in entries.items():
         if sorted(parts) != list(range(len(parts))):
             raise ValueError(f"{name}: stacked tensor entries {sorted(parts)} are not 0..n-1 (every expert needed)")
-        out[name] = torch.stack([parts[i] for i in range(len(parts))]).contiguous()
+        out[name] = torch.stack([layouts.unview_entry(parts[i]) for i in range(len(parts))]).contiguous()
     return out
 
 

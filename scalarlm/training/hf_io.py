@@ -24,7 +24,8 @@ from torch import Tensor
 
 from scalarlm.checkpoint.jobdir import link_or_copy
 from scalarlm.protocol.errors import InvalidRequest
-from scalarlm.training.families.spec import unstacked
+from scalarlm.training.families.layouts import view_entry
+from scalarlm.training.families.spec import entry_view, unstacked
 
 INDEX_NAME = "model.safetensors.index.json"
 # Files of a base model that are weights or weight indexes: never copied into a published checkpoint.
@@ -74,6 +75,7 @@ class Weights(Mapping[str, Tensor]):
         self._open: dict[Path, Any] = {}
         self.bytes_read = 0
         self.reads: list[tuple[str, tuple[int, ...]]] = []
+        self._last_entry: tuple[tuple[str, int] | None, Tensor | None] = (None, None)  # the stacked entry read last
 
     def _handle(self, name: str) -> Any:
         try:
@@ -101,7 +103,9 @@ class Weights(Mapping[str, Tensor]):
         """The stored shape (header only; of the one entry for a stacked tensor's entry)."""
         tensor, index = unstacked(name)
         shape = tuple(self._handle(tensor).get_slice(tensor).get_shape())
-        return shape if index is None else shape[1:]
+        if index is None:
+            return shape
+        return tuple(view_entry(torch.empty(shape[1:], device="meta"), entry_view(name)).shape)
 
     def source_dtype(self, name: str) -> torch.dtype:
         """The stored dtype (header only)."""
@@ -110,12 +114,21 @@ class Weights(Mapping[str, Tensor]):
 
     def read_ranges(self, name: str, axis: int, ranges: Sequence[tuple[int, int]] | None) -> Tensor:
         """Rows (`axis` 0) or columns (`axis` 1) `ranges` of a tensor, concatenated; None: the whole tensor. For an
-        entry of a stacked tensor (`spec.stacked`) the rows and columns are the entry's: only it is read."""
+        entry of a stacked tensor (`spec.stacked`) the rows and columns are the entry's: only it is read (the whole
+        entry when the name takes a view of it, `spec.VIEWS`, whose rows and columns are then the view's)."""
         tensor, index = unstacked(name)
         handle = self._handle(tensor)
         piece = handle.get_slice(tensor)
         at: tuple[int, ...] = () if index is None else (index,)
-        if index is None and ranges is None:
+        read = 0  # bytes read beyond what is returned (a view's whole entry, when not read just before)
+        if view := entry_view(name):
+            if self._last_entry[0] != (tensor, index):  # a rule reads an entry's views one after another
+                self._last_entry = ((tensor, index), piece[index])
+                read = self._last_entry[1].numel() * self._last_entry[1].element_size()
+            seen = view_entry(self._last_entry[1], view)
+            parts = [seen] if ranges is None else [seen.narrow(axis, a, b - a) for a, b in ranges]
+            read -= sum(p.numel() * p.element_size() for p in parts)
+        elif index is None and ranges is None:
             parts = [handle.get_tensor(tensor)]
         elif ranges is None:
             parts = [piece[index]]
@@ -125,8 +138,8 @@ class Weights(Mapping[str, Tensor]):
             parts = [piece[(*at, slice(None), slice(a, b))] for a, b in ranges]
         else:
             raise ValueError(f"axis must be 0 or 1, got {axis}")
-        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=axis)
-        self.bytes_read += out.numel() * out.element_size()
+        out = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=axis)).contiguous()
+        self.bytes_read += read + out.numel() * out.element_size()
         self.reads.append((name, tuple(out.shape)))
         return out if self.dtype is None else out.to(self.dtype)
 
@@ -148,6 +161,7 @@ class Weights(Mapping[str, Tensor]):
     def close(self) -> None:
         """Release the open files."""
         self._open.clear()
+        self._last_entry = (None, None)
 
     def __enter__(self) -> "Weights":
         return self

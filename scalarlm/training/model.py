@@ -33,7 +33,12 @@ def model_arch(model_dir: Path) -> ModelArch:
     """The trained shape of the HF checkpoint in `model_dir` (InvalidRequest naming what its family refuses)."""
     return read_arch(read_config(model_dir), tensor_names(model_dir))
 
-_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
+def _quick_gelu(x: Tensor) -> Tensor:
+    """x sigmoid(1.702 x): GPT-OSS's gate activation (megatron's quick_gelu)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh"), "quick_gelu": _quick_gelu}
 
 
 def sequence_parallel(arch: ModelArch, tp: int) -> bool:
@@ -70,8 +75,10 @@ def transformer_config(arch: ModelArch, tp: int, bf16: bool, recompute: bool = F
         gated_linear_unit=True,
         activation_func=_ACTIVATIONS[arch.activation],
         softmax_scale=arch.softmax_scale,
-        add_bias_linear=False,
+        add_bias_linear=arch.linear_bias,
         add_qkv_bias=arch.qkv_bias,
+        activation_func_clamp_value=arch.glu_clamp,
+        glu_linear_offset=1.0 if arch.glu_clamp is not None else 0.0,
         qk_layernorm=arch.qk_layernorm,
         # megatron's convention is the opposite of HF's no_rope_layers: 1 = skip RoPE on that layer
         no_rope_freq=[0 if arch.uses_rope(i) else 1 for i in range(arch.num_layers)] if arch.rope_layers else None,
@@ -174,15 +181,21 @@ def _window_mask(n: int, window: int, device: torch.device, before: int = 0) -> 
     return (offset >= 0) & (offset < window)
 
 
-def _softcapped_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, cap: float, scale: float | None,
-                          dropout_p: float) -> Tensor:  # fmt: skip
-    """Attention whose scores are soft-capped before the mask (HF's Gemma 2 eager attention): `cap * tanh(s / cap)`,
-    softmax in fp32. SDPA has no soft cap, so this is the explicit product (no fused kernel)."""
+def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float | None, dropout_p: float,
+                        cap: float | None = None, sinks: Tensor | None = None) -> Tensor:  # fmt: skip
+    """Attention as HF's eager attention computes it, softmax in fp32, for what SDPA has no argument for (so no fused
+    kernel): scores soft-capped before the mask, `cap * tanh(s / cap)` (Gemma 2); a learned logit per head (`sinks`,
+    [heads]) joining each row's softmax and dropped after it (GPT-OSS)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / cap) * cap
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)  # as HF's additive mask: no NaN rows
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
     probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
     return torch.matmul(probs, v)
 
@@ -198,6 +211,9 @@ def _sdpa_attention_class(arch: ModelArch):
 
         def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs) -> None:
             super().__init__(*args, **kwargs)  # MLA names its q/k and v head sizes: SDPA reads them off the tensors
+            if arch.attention_sinks:  # megatron's learnable softmax offset (its own allocates it on CUDA)
+                self.softmax_offset = torch.nn.Parameter(torch.empty(self.num_attention_heads_per_partition,
+                                                                     dtype=self.config.params_dtype))  # fmt: skip
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):  # fmt: skip
@@ -213,10 +229,12 @@ def _sdpa_attention_class(arch: ModelArch):
             opts = {"scale": self.softmax_scale * arch.attention_scale_factor(layer),
                     "dropout_p": self.attention_dropout.p if self.training else 0.0}  # fmt: skip
             window = arch.window(layer)
+            sinks = self.softmax_offset if arch.attention_sinks else None
+            explicit = arch.attn_logit_softcap is not None or sinks is not None
 
             def causal(q, k, v, allowed=None, before=0):
                 # `before`: k and v start with that many keys of a shared prefix, all of them before every query
-                if before and window is None and arch.attn_logit_softcap is None and allowed is None:
+                if before and window is None and not explicit and allowed is None:
                     # causal from the bottom right, as a bias SDPA's fused kernels take (an explicit mask rules out
                     # the flash kernel on CUDA)
                     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
@@ -224,10 +242,10 @@ def _sdpa_attention_class(arch: ModelArch):
                 if window is not None or before:
                     local = _window_mask(q.shape[2], window or before + q.shape[2], q.device, before)
                     allowed = local if allowed is None else allowed & local
-                if arch.attn_logit_softcap is not None:
+                if explicit:
                     if allowed is None:
                         allowed = _window_mask(q.shape[2], q.shape[2], q.device)  # causal
-                    return _softcapped_attention(q, k, v, allowed, arch.attn_logit_softcap, **opts)
+                    return _explicit_attention(q, k, v, allowed, cap=arch.attn_logit_softcap, sinks=sinks, **opts)
                 if allowed is None:
                     return F.scaled_dot_product_attention(q, k, v, is_causal=True, **opts)
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, **opts)
@@ -474,9 +492,22 @@ def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool 
     adapt(model, arch, torch.bfloat16 if bf16 else torch.float32, rope_angles)
     if arch.moe_sigmoid:
         _expert_bias_as_parameters(model)
+    if arch.num_experts and arch.linear_bias:
+        _expert_outputs_own_storage(model)
     if arch.expert_shard[1] > 1:
         _pad_to_the_group(model, [layer.mlp for layer in model.decoder.layers if arch.is_moe(layer.layer_number - 1)])
     return model
+
+
+def _expert_outputs_own_storage(model: torch.nn.Module) -> None:
+    """Each expert's down projection returns a copy of its output. megatron-core 0.16.1's MLP adds an expert's
+    bias (times its routing probability) to that output in place, and at one TP rank the row-parallel reduce returns
+    its input as is, a view autograd refuses to see modified ("is a view and is being modified inplace"): backward
+    through a biased expert (GPT-OSS's) would fail. A copy of [tokens, hidden] per expert."""
+    for layer in model.decoder.layers:
+        experts = getattr(getattr(layer.mlp, "experts", None), "local_experts", ())
+        for expert in experts:
+            expert.linear_fc2.register_forward_hook(lambda module, args, out: (out[0].clone(), *out[1:]))
 
 
 def _expert_bias_as_parameters(model: torch.nn.Module) -> None:

@@ -136,9 +136,6 @@ REFUSED = (
     Refused(("Gemma3ForConditionalGeneration",),
             "multimodal Gemma 3 (4B+) checkpoints carry vision towers the trainer does not keep; "
             "train the text model (Gemma3ForCausalLM)"),  # fmt: skip
-    Refused(("GptOssForCausalLM",),
-            "GPT-OSS is not supported yet (its attention sinks, clamped SwiGLU experts with biases and fused expert "
-            "tensors have no rules here)"),  # fmt: skip
     Refused(("PhimoeForCausalLM",),
             "PhiMoE's sparsemixer routing is not supported (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, DeepSeek-V2/V3 "
             "and OLMoE are)"),  # fmt: skip

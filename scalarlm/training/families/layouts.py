@@ -9,6 +9,8 @@ so a layout change cannot silently corrupt adapters).
 * gate and up fuse into `linear_fc1` as ``[gate; up]`` (HF `gate_up_proj` already is that); each TP rank holds
   ``[gate_r; up_r]``.
 * "dim1" tensors (o_proj / down_proj weights) split on dim 1; "dim0" ones (embeddings, output layer) on dim 0.
+* An entry of a stacked tensor is seen through its source name's view (`spec.VIEWS`: `view_entry`), and the views
+  of one entry are put back together by `unview_entry` (GPT-OSS's interleaved, transposed experts).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from scalarlm.training.families.spec import Kind, ModelArch
+from scalarlm.training.families.spec import Kind, ModelArch, VIEWS
 
 
 def qkv_sizes(arch: ModelArch) -> tuple[int, int, int]:
@@ -83,3 +85,27 @@ def unshard(shards: Sequence[Tensor], kind: Kind) -> Tensor:
         halves = [torch.chunk(s, 2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(list(shards), dim=1 if kind == "dim1" else 0)
+
+
+def view_entry(entry: Tensor, view: str) -> Tensor:
+    """`entry` (one entry of a stacked tensor) seen through `view` (`spec.VIEWS`)."""
+    if view not in VIEWS:
+        raise ValueError(f"unknown view {view!r}; expected one of {VIEWS}")
+    parity = view.removesuffix("T").removesuffix(".")
+    if parity:
+        entry = entry[..., ("even", "odd").index(parity)::2]
+    return entry.transpose(0, 1) if view.endswith("T") else entry
+
+
+def unview_entry(views: dict[str, Tensor]) -> Tensor:
+    """The stored entry from its views (`view_entry`): one whole view ("" or "T"), or its even and odd halves."""
+    stored = {view.removesuffix(".T").removesuffix("T"): t.transpose(0, 1) if view.endswith("T") else t
+              for view, t in views.items()}  # fmt: skip
+    if set(stored) == {""}:
+        return stored[""]
+    if set(stored) != {"even", "odd"}:
+        raise ValueError(f"views {sorted(views)} do not make one entry (one whole view, or its even and odd halves)")
+    even, odd = stored["even"], stored["odd"]
+    out = even.new_empty(*even.shape[:-1], 2 * even.shape[-1])
+    out[..., 0::2], out[..., 1::2] = even, odd
+    return out

@@ -48,10 +48,19 @@ def hf_projections(fused_qkv: bool, fused_gate_up: bool,
     return attn, ((fused,) if fused_gate_up else ("gate_proj", "up_proj")), down
 
 
-def stacked(name: str, index: int) -> str:
-    """The source name of entry `index` of a stacked HF tensor (Granite 3 MoE's experts, [E, ...] in one tensor): the
-    readers (`hf_io.Weights`, `convert`) take that slice; `convert.mcore_to_hf` stacks the entries back."""
-    return f"{name}[{index}]"
+# Views of a stacked entry (`stacked`): every other element of its last axis from the first ("even") or the second
+# ("odd") one, then (".T") its two axes swapped. GPT-OSS stores each expert's gate and up interleaved by column in
+# one [H, 2I] entry (x @ W): gate = even.T, up = odd.T; its down entry [I, H] is "T".
+VIEWS = ("", "T", "even", "odd", "even.T", "odd.T")
+
+
+def stacked(name: str, index: int, view: str = "") -> str:
+    """The source name of entry `index` of a stacked HF tensor (Granite 3 MoE's and GPT-OSS's experts, [E, ...] in one
+    tensor), seen through `view` (`VIEWS`): the readers (`hf_io.Weights`, `convert`) take that slice;
+    `convert.mcore_to_hf` stacks the entries back."""
+    if view not in VIEWS:
+        raise ValueError(f"unknown view {view!r}; expected one of {VIEWS}")
+    return f"{name}[{index}:{view}]" if view else f"{name}[{index}]"
 
 
 def unstacked(name: str) -> tuple[str, int | None]:
@@ -59,7 +68,13 @@ def unstacked(name: str) -> tuple[str, int | None]:
     if not name.endswith("]") or "[" not in name:
         return name, None
     base, _, index = name[:-1].rpartition("[")
-    return base, int(index)
+    return base, int(index.partition(":")[0])
+
+
+def entry_view(name: str) -> str:
+    """The view (`VIEWS`) a `stacked` source name takes of its entry ("" for the entry as stored, or a whole
+    tensor)."""
+    return name[:-1].rpartition("[")[2].partition(":")[2] if unstacked(name)[1] is not None else ""
 
 
 SANDWICH_NORM_NAMES = ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
@@ -111,7 +126,8 @@ class ModelArch:
     llama3_rope: tuple[float, float, float, int] | None = None  # factor, low_freq_factor, high_freq_factor, orig_max
     rope_layers: tuple[bool, ...] = ()  # per layer: applies RoPE (empty = every layer)
     windows: tuple[int | None, ...] = ()  # per layer: sliding window as HF applies it (empty = none)
-    activation: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    # of the gated MLP: "silu" (SwiGLU), "gelu_tanh" (GeGLU) or "quick_gelu" (x sigmoid(1.702 x), GPT-OSS's)
+    activation: str = "silu"
     norm_offset: bool = False  # zero-centred RMSNorm: x_hat * (1 + w), computed in fp32 (Gemma)
     sandwich_norms: bool = False  # output norms after attention and after the MLP (Gemma 2/3, OLMo 2/3)
     input_norms: bool = True  # norms before attention and before the MLP (OLMo 2/3: none, output norms only)
@@ -162,6 +178,17 @@ class ModelArch:
     # The experts are two stacked tensors per layer (Granite 3 MoE): `expert_names`' gate is the [E, 2I, H] tensor of
     # every expert's [gate; up], its down the [E, H, I] one (its up is unused), each expert's rule reads its slice.
     stacked_experts: bool = False
+    # The experts stacked as GPT-OSS stores them (x @ W, unlike nn.Linear): `expert_names`' gate the [E, H, 2I] tensor
+    # of every expert's gate and up interleaved by column (gate first), its down the [E, I, H] one, each with a
+    # `<name>_bias` tensor beside it; the names carry no `.weight`.
+    interleaved_experts: bool = False
+    # Biases on the attention output, the router and every expert's projections (GPT-OSS; megatron's add_bias_linear).
+    linear_bias: bool = False
+    # A learned logit per head joins every softmax of the attention and takes its share of the probability
+    # (GPT-OSS's `sinks`; megatron's learnable softmax offset).
+    attention_sinks: bool = False
+    # The gated MLP's clamp (GPT-OSS's `swiglu_limit`): gate clamped above at it, up to [-it, it], and (up + 1) used.
+    glu_clamp: float | None = None
     # Expert parallelism: (this rank's index, ranks) in the expert-parallel group. Rank r holds experts
     # r * E / ranks ... (r + 1) * E / ranks - 1 as its local experts 0, 1, ...; (0, 1): every expert.
     expert_shard: tuple[int, int] = (0, 1)
@@ -460,7 +487,7 @@ def read_arch(config: dict[str, Any], tensor_names: Iterable[str], families: dic
         mlp_names=family.mlp_names,
         rope_layers=family.rope_layers(config, layers),
         windows=family.windows(config, layers),
-        activation=activation,
+        activation=extra.pop("activation", activation),  # GPT-OSS: its experts' own, whatever hidden_act says
         sandwich_norms=family.sandwich_norms,
         input_norms=family.input_norms,
         rotary_interleaved=family.rotary_interleaved,
@@ -496,6 +523,10 @@ def rules(arch: ModelArch) -> Iterator[Rule]:
             yield Rule(mc + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), kind)
             yield Rule(mc + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), kind)
         yield Rule(mc + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "dim1")
+        if arch.linear_bias:  # added once, after the TP ranks' partial outputs are summed
+            yield Rule(mc + "self_attention.linear_proj.bias", (attn + "o_proj.bias",), "replicated")
+        if arch.attention_sinks:  # one per head: each TP rank its heads'
+            yield Rule(mc + "self_attention.core_attention.softmax_offset", (attn + "sinks",), "dim0")
         if arch.sandwich_norms:  # Gemma's and OLMo's post_attention_layernorm is an output norm, not the pre-MLP one
             attention_out, pre_mlp, mlp_out = arch.norm_names
             yield Rule(mc + "self_attention.post_norm.weight", (f"{hf}{attention_out}.weight",), "replicated")
@@ -534,6 +565,8 @@ def _expert_rules(arch: ModelArch, hf: str, mc: str) -> Iterator[Rule]:
     experts of `arch.expert_shard`'s rank, numbered locally."""
     block, router, gate, up, down = arch.expert_names
     yield Rule(mc + "mlp.router.weight", (f"{hf}{block}.{router}.weight",), "replicated")
+    if arch.linear_bias:
+        yield Rule(mc + "mlp.router.bias", (f"{hf}{block}.{router}.bias",), "replicated")
     if arch.moe_sigmoid:
         yield Rule(mc + "mlp.router.expert_bias", (f"{hf}{block}.{router}.e_score_correction_bias",), "replicated")
     if arch.moe_shared_ffn_hidden_size:
@@ -544,6 +577,14 @@ def _expert_rules(arch: ModelArch, hf: str, mc: str) -> Iterator[Rule]:
             yield Rule(dst + "gate_weight", (f"{hf}{block}.shared_expert_gate.weight",), "replicated")
     for local, e in enumerate(arch.local_experts):
         dst = f"{mc}{LOCAL_EXPERTS}{local}."
+        if arch.interleaved_experts:
+            gate_up, down_proj = f"{hf}{block}.{gate}", f"{hf}{block}.{down}"
+            yield Rule(dst + "linear_fc1.weight", (stacked(gate_up, e, "even.T"), stacked(gate_up, e, "odd.T")), "fc1")
+            yield Rule(dst + "linear_fc1.bias", (stacked(f"{gate_up}_bias", e, "even"),
+                                                 stacked(f"{gate_up}_bias", e, "odd")), "fc1")  # fmt: skip
+            yield Rule(dst + "linear_fc2.weight", (stacked(down_proj, e, "T"),), "dim1")
+            yield Rule(dst + "linear_fc2.bias", (stacked(f"{down_proj}_bias", e),), "replicated")
+            continue
         if arch.stacked_experts:
             yield Rule(dst + "linear_fc1.weight", (stacked(f"{hf}{block}.{gate}.weight", e),), "fc1")
             yield Rule(dst + "linear_fc2.weight", (stacked(f"{hf}{block}.{down}.weight", e),), "dim1")
@@ -617,7 +658,11 @@ def whole_model(arch: ModelArch) -> ModelArch:
 
 
 def check_tensor_parallel(arch: ModelArch, tp: int) -> None:
-    """InvalidRequest unless the model splits evenly over `tp` ranks."""
+    """InvalidRequest unless the model splits evenly over `tp` ranks (and its experts may be split at all)."""
+    if tp > 1 and arch.num_experts and arch.linear_bias:
+        raise InvalidRequest(f"tensor_parallel_size {tp} is not supported for {arch.family}: megatron-core 0.16.1 "
+                             "trains experts with biases only unsplit; use expert_parallel_size to spread the "
+                             "experts over GPUs")  # fmt: skip
     for what, n in (
         ("num_key_value_heads", arch.num_kv_heads),
         ("num_attention_heads", arch.num_heads),

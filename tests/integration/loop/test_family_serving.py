@@ -26,10 +26,11 @@ pytestmark = pytest.mark.slow
 
 FAMILIES = ["qwen3", "qwen3-yarn", "llama3", "phi3", "phi4-mini", "smollm3", "mistral", "gemma", "gemma2", "gemma3",
             "olmo2", "olmo3", "exaone4", "ernie4.5", "granite", "granite4", "glm", "glm4", "qwen3-moe", "qwen2-moe",
-            "mixtral", "glm4-moe", "deepseek-v3", "moonlight", "deepseek-v2-lite", "olmoe", "granite-moe"]  # fmt: skip
+            "mixtral", "glm4-moe", "deepseek-v3", "moonlight", "deepseek-v2-lite", "olmoe", "granite-moe",
+            "gpt-oss"]  # fmt: skip
 # LoRA refused (no MoE adapter rule yet)
 MOE = {"qwen3-moe", "qwen2-moe", "mixtral", "glm4-moe", "deepseek-v3", "moonlight", "deepseek-v2-lite", "olmoe",
-       "granite-moe"}  # fmt: skip
+       "granite-moe", "gpt-oss"}  # fmt: skip
 GRPO_FAMILIES = {"qwen3", *MOE}
 PROMPTS = ["What is the capital of France?", "What do bees make?", "What colour is the sky?"]
 FACTS = [{"input": p, "output": o} for p, o in zip(PROMPTS, [" Paris", " honey", " blue"])]
@@ -142,7 +143,7 @@ def test_sft_job_is_served_like_transformers(family_server: tuple[str, str, Path
 
         llm = scalarlm.ScalarLM(api_url=url, timeout=600)
         refused = ("adapter_type 'lora' is not supported for "
-                   "(qwen[23]_moe|mixtral|glm4_moe|deepseek_v[23]|olmoe|granitemoe)")
+                   "(qwen[23]_moe|mixtral|glm4_moe|deepseek_v[23]|olmoe|granitemoe|gpt_oss)")
         with pytest.raises(InvalidRequest, match=refused) as e:
             llm.train(FACTS, train_args={**TRAIN, "adapter_type": "lora"})
         assert e.value.param == "train_args"

@@ -51,7 +51,14 @@ def check(model_dir: Path, par) -> dict:
     from scalarlm.training.export import gather_tp_shards
     from scalarlm.training.model import model_arch
 
+    from scalarlm.protocol.errors import InvalidRequest
+    from scalarlm.training.model import check_tensor_parallel
+
     arch = model_arch(model_dir)
+    try:
+        check_tensor_parallel(arch, par.tp_size)
+    except InvalidRequest as e:  # refused at this TP size, by name (at submission too)
+        return {"model": model_dir.name, "tp": par.tp_size, "refused": e.message}
     hf = hf_io.load_weights(model_dir)
     model = loaded_model(arch, par, hf, parallel_output=False)
     # Eager attention: the reference computation (HF's SDPA path drops Gemma 2's attention soft cap).

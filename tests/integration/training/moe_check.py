@@ -7,7 +7,7 @@ so the dispatcher carries each rank's tokens to the other rank's experts and bac
 * `router_logit_diff`: max |router logits (megatron's fp32 gating) - HF's `gate` logits|;
 * `experts_equal`: megatron's routing map selects exactly the experts HF's top-k chose, token by token;
 * `prob_diff`: max |megatron's routing probabilities - HF's top-k weights| (zero off the chosen experts);
-* `layer_diff`: max |MoE block output| difference (megatron's `mlp` vs HF's sparse block);
+* `layer_diff`: max |MoE block output| difference (megatron's `mlp` vs HF's sparse block); `layer_scale`: max |HF's|;
 * `logit_diff`: max |whole-model logits| difference; `moe_layers`: how many layers were compared;
 * `local_experts`: experts per rank; `read_fraction`: the most any rank read of the checkpoint's bytes;
 * `length_syncs`: how often the forward pass asked the expert group for its longest micro-batch (EP > 1).
@@ -27,10 +27,15 @@ from moe_single import hf_sparse_block, hook_hf_router, load_into
 def check(model_dir: Path, par) -> dict:
     from transformers import AutoModelForCausalLM
 
+    from scalarlm.protocol.errors import InvalidRequest
     from scalarlm.training.families import expert_rank
-    from scalarlm.training.model import build_gpt_model, model_arch
+    from scalarlm.training.model import build_gpt_model, check_tensor_parallel, model_arch
 
     arch = expert_rank(model_arch(model_dir), par.ep_rank, par.ep_size)
+    try:
+        check_tensor_parallel(arch, par.tp_size)
+    except InvalidRequest as e:  # refused at this TP size, by name (at submission too)
+        return {"model": model_dir.name, "tp": par.tp_size, "ep": par.ep_size, "refused": e.message}
     model = build_gpt_model(arch, par.tp_size, bf16=False, parallel_output=False)
     read = load_into(model, model_dir, arch, par)  # only this rank's experts
     model.eval()
@@ -55,7 +60,8 @@ def check(model_dir: Path, par) -> dict:
         # (cloned: megatron adds the residual into that tensor in place; [S, B] -> [B, S])
         hooks.append(hook_hf_router(ref.model.layers[i], theirs[i].update))
         hf_block = hf_sparse_block(ref.model.layers[i])
-        hooks.append(hf_block.register_forward_hook(lambda m, a, out, i=i: theirs[i].update(out=out)))
+        hooks.append(hf_block.register_forward_hook(  # GPT-OSS's block returns (output, router scores)
+            lambda m, a, out, i=i: theirs[i].update(out=out[0] if isinstance(out, tuple) else out)))  # fmt: skip
 
     gen = torch.Generator().manual_seed(par.dp_rank)  # TP ranks share a batch; EP (= DP) ranks each have their own
     ids = torch.randint(0, arch.vocab_size, (2, 24), generator=gen)
@@ -66,7 +72,7 @@ def check(model_dir: Path, par) -> dict:
     for h in hooks:
         h.remove()
 
-    router_diff = prob_diff = layer_diff = 0.0
+    router_diff = prob_diff = layer_diff = layer_scale = 0.0
     experts_equal = True
     tokens = ids.numel()
     for i in sparse:
@@ -82,8 +88,10 @@ def check(model_dir: Path, par) -> dict:
         prob_diff = max(prob_diff, (b_major(o["probs"]) - hf_probs).abs().max().item())
         # megatron's block output is scaled by Granite's residual multiplier (a hook on the block), HF's before the add
         layer_diff = max(layer_diff, (o["out"] - t["out"] * (arch.residual_multiplier or 1.0)).abs().max().item())
+        layer_scale = max(layer_scale, t["out"].abs().max().item())
     mine = {"router_logit_diff": router_diff, "experts_equal": experts_equal, "prob_diff": prob_diff,
-            "layer_diff": layer_diff, "logit_diff": (our_logits - their_logits).abs().max().item(),
+            "layer_diff": layer_diff, "layer_scale": layer_scale,
+            "logit_diff": (our_logits - their_logits).abs().max().item(),
             "read_fraction": read["bytes_read"] / read["stored_bytes"],
             "length_syncs": getattr(model, "length_syncs", 0)}  # fmt: skip
     every: list = [None] * par.world_size

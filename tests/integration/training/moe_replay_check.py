@@ -8,8 +8,8 @@ so that it would choose differently; then one forward without replay and one wit
 * `replay_diff`: max |MoE layer output under replay - the same layer computed in float64 from its input, the moved
   router's logits and the *recorded* experts| (probabilities: softmax over the recorded experts' logits when HF
   renormalises the top k, else the full softmax taken at them, or their sigmoid scores renormalised and scaled; plus
-  the shared expert, gated or not, where there is one), over
-  every MoE layer;
+  the shared expert, gated or not, where there is one; GPT-OSS's biases and clamped activation), over
+  every MoE layer; `replay_scale`: the largest |reference output|;
 * `replay_effect`: max |MoE layer output without replay - with replay| (how much the replay changes at all).
 """
 
@@ -28,7 +28,12 @@ SEQ = 48
 def reference(h: torch.Tensor, mlp, experts: torch.Tensor, arch) -> torch.Tensor:
     """One MoE layer in float64: [T, H] input, the recorded [T, k] experts."""
     h = h.double()
-    logits = h @ mlp.router.weight.double().t()
+
+    def linear(layer, x: torch.Tensor) -> torch.Tensor:  # GPT-OSS's router and experts carry biases
+        bias = getattr(layer, "bias", None)
+        return x @ layer.weight.double().t() + (0.0 if bias is None else bias.double())
+
+    logits = linear(mlp.router, h)
     if arch.moe_sigmoid:  # GLM-4.5: the recorded experts' sigmoid scores renormalised, times the scaling factor
         probs = torch.sigmoid(logits).gather(1, experts)
         probs = probs / probs.sum(dim=-1, keepdim=True) * (arch.moe_scaling or 1.0)
@@ -37,8 +42,11 @@ def reference(h: torch.Tensor, mlp, experts: torch.Tensor, arch) -> torch.Tensor
     else:
         probs = torch.softmax(logits, dim=-1).gather(1, experts)
     def swiglu(mlp) -> torch.Tensor:
-        gate, up = mlp.linear_fc1.weight.double().chunk(2, dim=0)
-        return (F.silu(h @ gate.t()) * (h @ up.t())) @ mlp.linear_fc2.weight.double().t()
+        gate, up = linear(mlp.linear_fc1, h).chunk(2, dim=-1)
+        if arch.glu_clamp is not None:  # GPT-OSS: clamped, x sigmoid(1.702 x), and (up + 1)
+            gate, up = gate.clamp(max=arch.glu_clamp), up.clamp(-arch.glu_clamp, arch.glu_clamp) + 1
+            return linear(mlp.linear_fc2, gate * torch.sigmoid(1.702 * gate) * up)
+        return linear(mlp.linear_fc2, F.silu(gate) * up)
 
     out = torch.zeros_like(h)
     for e, expert in enumerate(mlp.experts.local_experts):
@@ -56,7 +64,7 @@ def check(model_dir: Path) -> dict:
     from scalarlm.training.moe_replay import RoutingReplay
 
     arch = model_arch(model_dir)
-    assert arch.activation == "silu", arch.activation
+    assert arch.activation == "silu" or arch.glu_clamp is not None, arch.activation
     model = loaded_model(model_dir, arch)
     replay = RoutingReplay(model, replay=True)
     moe = [layer.mlp for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
@@ -88,12 +96,14 @@ def check(model_dir: Path) -> dict:
         replay.replay = True
         replayed = forward()
         changed_replayed, compared_replayed = replay.take_counts().tolist()
-    replay_diff = max((reference(replayed[j][0], mlp, recorded[j], arch) - replayed[j][1].double())
-                      .abs().max().item() for j, mlp in enumerate(moe))  # fmt: skip
+    references = [reference(replayed[j][0], mlp, recorded[j], arch) for j, mlp in enumerate(moe)]
+    replay_diff = max((ref - replayed[j][1].double()).abs().max().item() for j, ref in enumerate(references))
+    scale = max(ref.abs().max().item() for ref in references)
     effect = max((natural[j][1] - replayed[j][1]).abs().max().item() for j in range(len(moe)))
     return {"model": model_dir.name, "layers": len(moe), "compared": compared, "changed_fraction": changed / compared,
             "changed_fraction_replayed": changed_replayed / compared_replayed, "replay_diff": replay_diff,
-            "replay_effect": effect, "bf16_bias_exact": bf16_bias_exact(model_dir, arch)}  # fmt: skip
+            "replay_scale": scale, "replay_effect": effect,
+            "bf16_bias_exact": bf16_bias_exact(model_dir, arch)}  # fmt: skip
 
 
 def bf16_bias_exact(model_dir: Path, arch) -> bool | None:

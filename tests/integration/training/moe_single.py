@@ -19,13 +19,16 @@ def hf_sparse_block(layer):
 
 def hook_hf_router(layer, record: Callable[[dict], None]):
     """Call `record` with the router's `logits`, the chosen experts' `weights` and their `index` on each forward of
-    the layer's HF router: `gate` returns them in that order, Granite MoE's `router` as (index, weights, logits)."""
+    the layer's HF router: `gate` and GPT-OSS's `router` return them in that order, Granite MoE's `router` as (index,
+    weights, logits) (its first output is the integer one)."""
     block = hf_sparse_block(layer)
-    if hasattr(block, "gate"):
-        return block.gate.register_forward_hook(
-            lambda m, a, out: record({"logits": out[0], "weights": out[1], "index": out[2]}))  # fmt: skip
-    return block.router.register_forward_hook(
-        lambda m, a, out: record({"index": out[0], "weights": out[1], "logits": out[2]}))  # fmt: skip
+    router = block.gate if hasattr(block, "gate") else block.router
+
+    def hook(module, args, out) -> None:
+        logits, weights, index = out if out[0].is_floating_point() else out[::-1]
+        record({"logits": logits, "weights": weights, "index": index})
+
+    return router.register_forward_hook(hook)
 
 
 def load_into(model, model_dir: Path, arch, par=None) -> int:

@@ -78,6 +78,10 @@ def test_every_family_has_a_tiny_model(family_models: dict[str, Path]) -> None:
 def test_logits_match_hf(logits, model: str, tp: int) -> None:
     r = logits(tp)[model]
     assert r["tp"] == tp
+    if model == "gpt-oss" and tp > 1:  # megatron trains experts with biases only unsplit: refused by name
+        assert "tensor_parallel_size 2 is not supported for gpt_oss" in r["refused"], r
+        return
+    assert "refused" not in r, r
     tolerance = forward_tolerance(r["logit_scale"])  # fp32; Gemma's logits are ~3x larger than Llama's
     assert r["max_diff"] <= tolerance, r
     assert r["packed_diff"] <= tolerance, r  # packed documents do not attend to each other

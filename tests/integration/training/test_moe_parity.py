@@ -26,7 +26,7 @@ from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS
 
 HERE = Path(__file__).parent
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3", "deepseek_v2", "olmoe",
-                "granitemoe")  # fmt: skip
+                "granitemoe", "gpt_oss")  # fmt: skip
 MOE_MODELS = sorted(name for name, spec in FAMILY_TINY_MODELS.items() if spec["family"] in MOE_FAMILIES)
 TOLERANCE = 1e-5  # fp32 against float64 or NumPy
 # fp32 router logits, probabilities, layer outputs and logits (values up to ~7) against transformers': measured
@@ -75,14 +75,17 @@ def results(moe_models: dict[str, Path]):
 
 
 def test_the_moe_tiny_models_cover_every_moe_family_and_every_routing() -> None:
-    assert MOE_MODELS == ["deepseek-v2-lite", "deepseek-v3", "glm4-moe", "granite-moe", "mixtral", "moonlight", "olmoe",
-                          "qwen2-moe", "qwen3-moe", "qwen3-moe-mixed"]
+    assert MOE_MODELS == ["deepseek-v2-lite", "deepseek-v3", "glm4-moe", "gpt-oss", "granite-moe", "mixtral",
+                          "moonlight", "olmoe", "qwen2-moe", "qwen3-moe", "qwen3-moe-mixed"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("model", MOE_MODELS)
 def test_router_experts_and_layers_match_hf(results, model: str, layout: tuple[int, int]) -> None:
     r = results(layout)[model]
+    if model == "gpt-oss" and layout[0] > 1:  # megatron trains experts with biases only unsplit: refused by name
+        assert "tensor_parallel_size 2 is not supported for gpt_oss" in r["refused"], r
+        return
     assert (r["tp"], r["ep"]) == layout and r["moe_layers"] == 2, r  # qwen3-moe-mixed: layers 0 and 2 sparse, 1 dense
     assert r["local_experts"] == 4 // layout[1], r
     if layout == (1, 2):  # a rank reads the shared weights and its own experts, not the other rank's
@@ -92,7 +95,8 @@ def test_router_experts_and_layers_match_hf(results, model: str, layout: tuple[i
     assert r["experts_equal"] is True, r
     assert r["router_logit_diff"] <= FORWARD_TOLERANCE, r
     assert r["prob_diff"] <= FORWARD_TOLERANCE, r
-    assert r["layer_diff"] <= FORWARD_TOLERANCE, r
+    # block outputs reach 35 on GPT-OSS (its expert biases): the bound scales past the others' ~7
+    assert r["layer_diff"] <= FORWARD_TOLERANCE * max(1.0, r["layer_scale"] / 7), r
     assert r["logit_diff"] <= FORWARD_TOLERANCE, r
 
 
@@ -194,13 +198,14 @@ def test_sequence_parallel_moe_gradients_at_tp2_equal_tp1(moe_models: dict[str, 
     rank's aux loss by its own half of the tokens: router grads 4e-3 off at 40 tokens."""
     import torch
 
+    split = [path for name, path in moe_models.items() if name != "gpt-oss"]  # GPT-OSS refuses TP=2 (its biases)
     outs = {}
     for tp in (1, 2):
         outs[tp] = tmp_path / f"tp{tp}"
         outs[tp].mkdir()
-        run_check("moe_sp_check.py", [str(tp), str(outs[tp]), *map(str, moe_models.values())], tp)
+        run_check("moe_sp_check.py", [str(tp), str(outs[tp]), *map(str, split)], tp)
     files = sorted(p.name for p in outs[1].iterdir())
-    assert files == sorted(p.name for p in outs[2].iterdir()) and len(files) == 2 * len(MOE_MODELS)
+    assert files == sorted(p.name for p in outs[2].iterdir()) and len(files) == 2 * len(MOE_MODELS) - 2
     for name in files:
         one, two = torch.load(outs[1] / name), torch.load(outs[2] / name)
         assert set(one["grads"]) == set(two["grads"])
@@ -257,7 +262,8 @@ def test_routing_replay_runs_each_moe_layer_on_the_recorded_experts(moe_models: 
     rows = result_rows(run_check("moe_replay_check.py", list(map(str, moe_models.values())), 1))
     assert sorted(r["model"] for r in rows) == MOE_MODELS
     for r in rows:
-        assert r["replay_diff"] <= TOLERANCE, r  # measured <= 2.1e-6 (fp32 against float64)
+        # measured <= 2.1e-6 (fp32 against float64, outputs up to ~7); 2.6e-5 on GPT-OSS's outputs of up to ~50
+        assert r["replay_diff"] <= TOLERANCE * max(1.0, r["replay_scale"] / 7), r
         assert r["replay_effect"] > 0.1, r  # the replay decides which experts run
         assert 0.2 < r["changed_fraction"] < 1 and 0 < r["changed_fraction_replayed"] < 1, r
         # GLM-4.5's fixed expert bias stays fp32 under bf16 (the others have none)

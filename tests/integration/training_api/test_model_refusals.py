@@ -88,7 +88,7 @@ def test_unknown_rope_type_is_named(serve, tiny_model_dir: Path, tmp_path: Path)
 @pytest.mark.parametrize(
     ("architecture", "words"),
     [("GPT2LMHeadModel", ("GPT2LMHeadModel", "not supported")),
-     ("GptOssForCausalLM", ("GptOssForCausalLM", "attention sinks")),
+     ("GraniteMoeSharedForCausalLM", ("GraniteMoeSharedForCausalLM", "shared MLP beside the experts")),
      ("Gemma3ForConditionalGeneration", ("Gemma3ForConditionalGeneration", "vision towers")),
      ("PhimoeForCausalLM", ("PhimoeForCausalLM", "sparsemixer routing"))],
 )  # fmt: skip

@@ -72,3 +72,22 @@ def test_unsupported_models_and_layouts_are_rejected(tiny_model_dir: Path) -> No
     arch = read_arch(config, names)
     with pytest.raises(InvalidRequest, match="tensor_parallel_size 3"):
         check_tensor_parallel(arch, 3)
+
+
+def test_gpt_oss_experts_are_deinterleaved_transposed_and_stacked_back(tmp_path: Path) -> None:
+    """GPT-OSS stores expert e's gate and up interleaved by column in gate_up_proj[e] ([H, 2I], x @ W) and its down as
+    [I, H]: megatron's fc1 is [gate; up] as [2I, H] (with the bias likewise), fc2 is [H, I]; back is bit-exact."""
+    from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS
+
+    arch, hf = _load(make_tiny_model(tmp_path / "gpt-oss", **FAMILY_TINY_MODELS["gpt-oss"]))
+    mcore = hf_to_mcore(hf, arch)
+    src, dst = "model.layers.1.mlp.experts.", "decoder.layers.1.mlp.experts.local_experts.2."
+    gate_up, bias = hf[src + "gate_up_proj"][2], hf[src + "gate_up_proj_bias"][2]
+    assert torch.equal(mcore[dst + "linear_fc1.weight"], torch.cat([gate_up[:, 0::2].T, gate_up[:, 1::2].T]))
+    assert torch.equal(mcore[dst + "linear_fc1.bias"], torch.cat([bias[0::2], bias[1::2]]))
+    assert torch.equal(mcore[dst + "linear_fc2.weight"], hf[src + "down_proj"][2].T)
+    assert torch.equal(mcore[dst + "linear_fc2.bias"], hf[src + "down_proj_bias"][2])
+    sinks = mcore["decoder.layers.0.self_attention.core_attention.softmax_offset"]
+    assert torch.equal(sinks, hf["model.layers.0.self_attn.sinks"])
+    back = mcore_to_hf([mcore], arch)
+    assert set(back) == set(hf) and all(torch.equal(back[name], tensor) for name, tensor in hf.items())

@@ -55,7 +55,7 @@ def test_registry_names_every_family_once() -> None:
                                             "gemma2", "gemma3", "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral",
                                             "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
                                             "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4",
-                                            "granitemoe"}
+                                            "granitemoe", "gpt_oss"}
     assert all(FAMILIES[a] is f for f in FAMILY_LIST for a in f.architectures)
 
 

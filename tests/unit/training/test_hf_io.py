@@ -102,3 +102,21 @@ def test_an_entry_of_a_stacked_tensor_reads_only_its_slice(tmp_path: Path) -> No
         assert torch.equal(w.read_ranges(name, 0, [(0, 1), (3, 5)]), torch.cat([experts[2, 0:1], experts[2, 3:5]]))
         assert torch.equal(w.read_ranges(name, 1, [(1, 3)]), experts[2, :, 1:3])
         assert w.reads[-1] == (name, (6, 2))
+
+
+def test_a_view_of_a_stacked_entry_is_read_once_and_seen_as_the_rule_needs(tmp_path: Path) -> None:
+    """GPT-OSS's experts: one [E, H, 2I] tensor of each expert's gate and up interleaved by column (x @ W); the
+    views `even.T` and `odd.T` of expert e's entry are its gate and up as [I, H] (nn.Linear's layout), read from one
+    read of the entry; rows of a view are the view's."""
+    from scalarlm.training.families.spec import stacked
+
+    experts = torch.randn(4, 5, 6, generator=torch.Generator().manual_seed(2))
+    hf_io.save_safetensors(tmp_path, {"w": experts})
+    gate, up = stacked("w", 1, "even.T"), stacked("w", 1, "odd.T")
+    with hf_io.Weights(tmp_path, dtype=None) as w:
+        assert gate in w and w.shape(gate) == (3, 5) and w.shape(stacked("w", 1, "T")) == (6, 5)
+        assert torch.equal(w[gate], experts[1][:, 0::2].T) and torch.equal(w[up], experts[1][:, 1::2].T)
+        assert w[gate].is_contiguous() and w.bytes_read == 5 * 6 * 4  # the entry, once for both views
+        assert torch.equal(w.read_ranges(gate, 0, [(1, 3)]), experts[1][:, 0::2].T[1:3])
+        with pytest.raises(ValueError, match="unknown view 'odd.X'"):
+            stacked("w", 1, "odd.X")

@@ -293,3 +293,67 @@ def test_granite_moe_reads_each_experts_slice_of_the_stacked_tensors() -> None:
 def test_granite_moe_refusals_name_what_to_fix(config: dict, names: list[str], words: str) -> None:
     with pytest.raises(InvalidRequest, match=words):
         read_arch(config, names)
+
+
+# gpt-oss-20b's fields, scaled down: every layer sparse, sliding and full layers alternating, YaRN, biases, sinks.
+GPT_OSS = {**BASE, "architectures": ["GptOssForCausalLM"], "num_hidden_layers": 2, "num_local_experts": 4,
+           "intermediate_size": 128, "attention_bias": True, "sliding_window": 128, "swiglu_limit": 7.0,
+           "layer_types": ["sliding_attention", "full_attention"],
+           "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                               "beta_slow": 1.0, "truncate": False,
+                               "original_max_position_embeddings": 4096}}  # fmt: skip
+GPT_OSS_NAMES = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"] + [
+    f"model.layers.{i}.{name}" for i in range(2)
+    for name in ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.sinks",
+                 *(f"self_attn.{p}_proj.{w}" for p in "qkvo" for w in ("weight", "bias")),
+                 "mlp.router.weight", "mlp.router.bias", "mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias",
+                 "mlp.experts.down_proj", "mlp.experts.down_proj_bias")]  # fmt: skip
+
+
+def test_gpt_oss_reads_interleaved_experts_biases_and_sinks() -> None:
+    from scalarlm.training.families import expert_rank
+
+    arch = read_arch(GPT_OSS, GPT_OSS_NAMES)
+    assert (arch.family, arch.num_experts, arch.moe_topk, arch.moe_ffn_hidden_size) == ("gpt_oss", 4, 2, 128)
+    assert arch.interleaved_experts and arch.linear_bias and arch.attention_sinks and arch.qkv_bias
+    assert (arch.activation, arch.glu_clamp, arch.windows) == ("quick_gelu", 7.0, (128, None))
+    assert arch.yarn_rope is not None and arch.yarn_rope[0] == 32.0 and arch.yarn_rope[5] is False  # truncate false
+    by = {r.mcore: (r.hf, r.kind) for r in rules(arch)}
+    layer, hf = "decoder.layers.1.", "model.layers.1."
+    assert by[layer + "self_attention.core_attention.softmax_offset"] == ((hf + "self_attn.sinks",), "dim0")
+    assert by[layer + "self_attention.linear_proj.bias"] == ((hf + "self_attn.o_proj.bias",), "replicated")
+    assert by[layer + "mlp.router.bias"] == ((hf + "mlp.router.bias",), "replicated")
+    experts = layer + "mlp.experts.local_experts.3."
+    assert by[experts + "linear_fc1.weight"] == ((hf + "mlp.experts.gate_up_proj[3:even.T]",
+                                                   hf + "mlp.experts.gate_up_proj[3:odd.T]"), "fc1")  # fmt: skip
+    assert by[experts + "linear_fc1.bias"] == ((hf + "mlp.experts.gate_up_proj_bias[3:even]",
+                                                 hf + "mlp.experts.gate_up_proj_bias[3:odd]"), "fc1")  # fmt: skip
+    assert by[experts + "linear_fc2.weight"] == ((hf + "mlp.experts.down_proj[3:T]",), "dim1")
+    assert by[experts + "linear_fc2.bias"] == ((hf + "mlp.experts.down_proj_bias[3]",), "replicated")
+    assert sorted(hf_tensor_names(arch)) == sorted(GPT_OSS_NAMES)  # each stacked tensor named once
+    second = {r.mcore: r.hf for r in rules(expert_rank(arch, 1, 2))}  # EP rank 1 holds experts 2 and 3
+    assert second[layer + "mlp.experts.local_experts.1.linear_fc2.weight"] == (hf + "mlp.experts.down_proj[3:T]",)
+    check_tensor_parallel(arch, 1)
+    with pytest.raises(InvalidRequest, match="tensor_parallel_size 2 is not supported for gpt_oss: .* expert_parallel"):
+        check_tensor_parallel(arch, 2)
+    # the hub's config.json (transformers 4.55): `rope_scaling` + `rope_theta`, no `swiglu_alpha`, no `layer_types`
+    hub = {k: v for k, v in GPT_OSS.items() if k not in ("rope_parameters", "layer_types")}
+    scaling = {k: v for k, v in GPT_OSS["rope_parameters"].items() if k != "rope_theta"}
+    assert read_arch({**hub, "rope_scaling": scaling, "rope_theta": 150000.0}, GPT_OSS_NAMES) == arch
+
+
+@pytest.mark.parametrize(("config", "words"), [
+    ({**GPT_OSS, "quantization_config": {"quant_method": "mxfp4"}}, "quantized .*mxfp4.*dequantize it first"),
+    ({**GPT_OSS, "swiglu_limit": 10.0}, "swiglu_limit=10.0 is not supported: vLLM 0.32.0's GPT-OSS computes 7.0"),
+    ({**GPT_OSS, "swiglu_alpha": 1.0}, "swiglu_alpha=1.0 is not supported"),
+    ({**GPT_OSS, "layer_types": ["full_attention", "sliding_attention"]}, "window on the even layers"),
+    ({**GPT_OSS, "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}}, "rope_type 'default' is not"),
+])  # fmt: skip
+def test_gpt_oss_refusals_name_what_to_fix(config: dict, words: str) -> None:
+    with pytest.raises(InvalidRequest, match=words):
+        read_arch(config, GPT_OSS_NAMES)
+
+
+def test_gpt_oss_lora_is_refused_by_name() -> None:
+    with pytest.raises(InvalidRequest, match="adapter_type 'lora' is not supported for gpt_oss"):
+        lora_targets(BY_NAME["gpt_oss"], ["q_proj"])
