@@ -181,23 +181,35 @@ def _window_mask(n: int, window: int, device: torch.device, before: int = 0) -> 
     return (offset >= 0) & (offset < window)
 
 
-def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float | None, dropout_p: float,
-                        cap: float | None = None, sinks: Tensor | None = None) -> Tensor:  # fmt: skip
-    """Attention as HF's eager attention computes it, softmax in fp32, for what SDPA has no argument for (so no fused
-    kernel): scores soft-capped before the mask, `cap * tanh(s / cap)` (Gemma 2); a learned logit per head (`sinks`,
-    [heads]) joining each row's softmax and dropped after it (GPT-OSS)."""
+def _softcapped_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, cap: float, scale: float | None,
+                          dropout_p: float) -> Tensor:  # fmt: skip
+    """Attention whose scores are soft-capped before the mask (HF's Gemma 2 eager attention): `cap * tanh(s / cap)`,
+    softmax in fp32. SDPA has no soft cap, so this is the explicit product (no fused kernel)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if cap is not None:
-        scores = torch.tanh(scores / cap) * cap
+    scores = torch.tanh(scores / cap) * cap
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)  # as HF's additive mask: no NaN rows
-    if sinks is None:
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    else:
-        sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
     return torch.matmul(probs, v)
+
+
+SINK_PAD = 8  # head dims a sink key adds (one used): fused SDPA kernels take head sizes in multiples of 8
+
+
+def _sink_key(q: Tensor, k: Tensor, v: Tensor, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v ([B, heads, S, d]) with one key before all the others whose score is `logits` ([heads], before the
+    softmax scale) for every query and whose value is 0: a learned sink logit that takes its share of each softmax and
+    adds nothing (GPT-OSS), inside SDPA's fused kernels. Each head gains `SINK_PAD` dims: q's first is 1, every real
+    key's 0 and the sink key's its logit; the caller drops v's padding from the output."""
+    b, h, s, d = q.shape
+    one = torch.zeros(SINK_PAD, dtype=q.dtype, device=q.device)
+    one[0] = 1.0
+    q = torch.cat([q, one.expand(b, h, s, SINK_PAD)], dim=-1)
+    sink = torch.cat([k.new_zeros(h, d), logits.to(k.dtype)[:, None], k.new_zeros(h, SINK_PAD - 1)], dim=-1)
+    k = torch.cat([sink[None, :, None].expand(b, h, 1, d + SINK_PAD), F.pad(k, (0, SINK_PAD))], dim=2)
+    v = F.pad(torch.cat([v.new_zeros(b, h, 1, d), v], dim=2), (0, SINK_PAD))
+    return q, k, v
 
 
 def _sdpa_attention_class(arch: ModelArch):
@@ -230,25 +242,30 @@ def _sdpa_attention_class(arch: ModelArch):
                     "dropout_p": self.attention_dropout.p if self.training else 0.0}  # fmt: skip
             window = arch.window(layer)
             sinks = self.softmax_offset if arch.attention_sinks else None
-            explicit = arch.attn_logit_softcap is not None or sinks is not None
 
             def causal(q, k, v, allowed=None, before=0):
                 # `before`: k and v start with that many keys of a shared prefix, all of them before every query
-                if before and window is None and not explicit and allowed is None:
-                    # causal from the bottom right, as a bias SDPA's fused kernels take (an explicit mask rules out
-                    # the flash kernel on CUDA)
-                    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
-                                                          **opts)  # fmt: skip
-                if window is not None or before:
+                if window is not None or (before and (allowed is not None or arch.attn_logit_softcap is not None)):
                     local = _window_mask(q.shape[2], window or before + q.shape[2], q.device, before)
                     allowed = local if allowed is None else allowed & local
-                if explicit:
+                if arch.attn_logit_softcap is not None:
                     if allowed is None:
                         allowed = _window_mask(q.shape[2], q.shape[2], q.device)  # causal
-                    return _explicit_attention(q, k, v, allowed, cap=arch.attn_logit_softcap, sinks=sinks, **opts)
-                if allowed is None:
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=True, **opts)
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, **opts)
+                    return _softcapped_attention(q, k, v, allowed, arch.attn_logit_softcap, **opts)
+                width = v.shape[-1]
+                if sinks is not None:  # the sink is key 0, which every query sees
+                    q, k, v = _sink_key(q, k, v, sinks / opts["scale"])
+                    allowed = None if allowed is None else F.pad(allowed, (1, 0), value=True)
+                if allowed is not None:
+                    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, **opts)
+                elif k.shape[2] > q.shape[2]:
+                    # keys before every query (a shared prefix, the sink): causal from the bottom right, as a bias
+                    # SDPA's fused kernels take (an explicit mask rules out the flash kernel on CUDA)
+                    out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
+                                                         **opts)  # fmt: skip
+                else:
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **opts)
+                return out[..., :width]
 
             bounds = getattr(packed_seq_params, "bounds", None)
             if bounds is not None:

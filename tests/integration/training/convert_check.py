@@ -10,6 +10,8 @@ through the converter, and prints one JSON line (rank 0) with
 * `builtin_rope_diff` (llama3 models): `long_diff` with megatron's own llama3 scaling (hard-coded factors) instead
   of the config's: large, so the long positions really test the scaling;
 * `logit_scale`: max |HF logit| (Gemma's scaled embeddings make logits ~3x larger than Llama's);
+* `grad_diff` (TP=1): every parameter's gradient against HF's (`grad_diff`), or None where the converter cannot map
+  HF's parameter names;
 * `roundtrip_exact`: gathering the TP shards and mapping mcore -> HF reproduces every HF tensor bit for bit;
 * `loss_diff`: max |per-token cross-entropy of HF's packed logits - the trainer's| at the packed batch's loss
   positions, the trainer's computed as a training step does (`token_losses(..., loss_only=True)`: vocab-parallel
@@ -94,6 +96,7 @@ def check(model_dir: Path, par) -> dict:
             builtin = (model(long_ids, long_pos, long_mask) - theirs_long).abs().max().item()
             rope.inv_freq = ours_freq
             RotaryEmbedding.forward.cache_clear()
+    grads = grad_diff(model, ref, arch, ids, causal) if par.tp_size == 1 else None
     loss_diff, loss_rows = packed_loss_diff(loaded_model(arch, par, hf, parallel_output=True), packed, theirs_packed)
     shards = gather_tp_shards(model, arch, par)
     exact = None
@@ -111,7 +114,28 @@ def check(model_dir: Path, par) -> dict:
         "roundtrip_exact": exact,
         "loss_diff": loss_diff,
         "loss_rows": loss_rows,
+        "grad_diff": grads,
     }
+
+
+def grad_diff(model, ref, arch, ids: torch.Tensor, causal: torch.Tensor) -> float | None:
+    """Over every megatron parameter, max |its gradient - HF's, mapped by the converter| / max(1, max |HF's|), of
+    sum(logits * fixed random weights) on `ids`; None where transformers holds parameters under other names than the
+    checkpoint's (transformers 5 fuses some models' experts when it loads them), so the converter cannot map them."""
+    from scalarlm.protocol.errors import InvalidRequest
+    from scalarlm.training.convert import hf_to_mcore
+
+    weights = torch.randn(*ids.shape, arch.vocab_size, generator=torch.Generator().manual_seed(1))
+    (model(ids, torch.arange(ids.shape[1]).expand(*ids.shape), causal) * weights).sum().backward()
+    (ref(ids).logits * weights).sum().backward()
+    theirs = {name: p.grad for name, p in ref.named_parameters()}  # a tied head is the embedding's (named once)
+    buffers = {name: torch.zeros_like(b) for name, b in ref.named_buffers() if name in ref.state_dict()}
+    try:
+        mapped = hf_to_mcore({**buffers, **theirs}, arch)
+    except InvalidRequest:
+        return None
+    return max((p.grad - mapped[name]).abs().max().item() / max(1.0, mapped[name].abs().max().item())
+               for name, p in model.named_parameters() if p.grad is not None)  # fmt: skip
 
 
 def packed_loss_diff(model, packed, theirs_packed: torch.Tensor) -> tuple[float, int]:

@@ -1,7 +1,8 @@
 """Every trainer family, proven equal to Hugging Face: one parametrized test over the FAMILIES registry.
 
 For each tiny model of `FAMILY_TINY_MODELS` (one per family, plus variants): megatron-core logits equal
-transformers' at TP=1 and TP=2 (mpirun, gloo) in fp32, on a random batch, on packed documents, and on one 600-token
+transformers' at TP=1 and TP=2 (mpirun, gloo) in fp32 (and every parameter's gradient at TP=1, where transformers
+names its parameters as the checkpoint does), on a random batch, on packed documents, and on one 600-token
 sequence (past the llama3 model's original context, far longer than Mistral's sliding window); a training step's
 per-token cross-entropy, computed at the loss positions only, equals HF's on the packed documents; the TP-gathered
 mcore -> HF export is bit-exact; the megatron LoRA forward equals PEFT with the same adapter weights. Each TP size
@@ -26,6 +27,9 @@ from scalarlm.training.model import model_arch
 HERE = Path(__file__).parent
 MODELS = sorted(FAMILY_TINY_MODELS)
 TPS = [1, pytest.param(2, marks=pytest.mark.slow)]
+# transformers 5 holds these families' experts fused under names of its own, which the converter cannot map back
+EXPERTS_FUSED_BY_TRANSFORMERS = {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3", "deepseek_v2", "olmoe",
+                                 "granitemoe"}  # fmt: skip
 
 
 def _command(tp: int, script: str, *args: str) -> list[str]:
@@ -82,6 +86,11 @@ def test_logits_match_hf(logits, model: str, tp: int) -> None:
         assert "tensor_parallel_size 2 is not supported for gpt_oss" in r["refused"], r
         return
     assert "refused" not in r, r
+    if tp == 1:  # every parameter's gradient = HF's: measured <= 3.9e-6 (Gemma) relative to the largest
+        if FAMILY_TINY_MODELS[model]["family"] in EXPERTS_FUSED_BY_TRANSFORMERS:
+            assert r["grad_diff"] is None, r  # (test_moe_parity checks their gradients its own ways)
+        else:
+            assert r["grad_diff"] <= 2e-5, r
     tolerance = forward_tolerance(r["logit_scale"])  # fp32; Gemma's logits are ~3x larger than Llama's
     assert r["max_diff"] <= tolerance, r
     assert r["packed_diff"] <= tolerance, r  # packed documents do not attend to each other

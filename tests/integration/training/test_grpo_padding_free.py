@@ -2,7 +2,7 @@
 lengths, the trainer's packed micro-batches and GRPO loss give the padded layout's loss and gradients (per parameter,
 fp32) while computing on about a third of the tokens: no padding, each group's prompt once (shared prefixes), and the
 output layer on the completion tokens alone. Shared prompts are checked again on the families whose attention differs
-(sliding windows, soft-capping, a second RoPE base) and on a mixture-of-experts model. Tinker's forward_backward
+(sliding windows, soft-capping, a second RoPE base, attention sinks) and on mixture-of-experts models. Tinker's forward_backward
 packs its datums the same way: its logprobs, losses and gradients equal one datum at a time. The check runs in its
 own process (megatron's parallel state)."""
 
@@ -22,8 +22,9 @@ GRAD_REL = 1e-5
 
 # Attention that differs from the tiny Llama's: Gemma 2 (soft-capped, alternating windows), Qwen3 with a window of 8
 # on its upper layer, Gemma 3 (windows and a second RoPE base on the sliding layers); and megatron's MoE layers
-# (Qwen3-MoE, no load-balancing loss trained: the default), where Tinker's packing is checked too.
-FAMILIES = ("gemma2", "qwen3-sliding", "gemma3", "qwen3-moe")
+# (Qwen3-MoE, no load-balancing loss trained: the default), where Tinker's packing is checked too; GPT-OSS (a sink
+# key before a shared prompt's keys, alternating windows).
+FAMILIES = ("gemma2", "qwen3-sliding", "gemma3", "qwen3-moe", "gpt-oss")
 
 
 @pytest.fixture(scope="module")
