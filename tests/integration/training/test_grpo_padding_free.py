@@ -2,9 +2,9 @@
 lengths, the trainer's packed micro-batches and GRPO loss give the padded layout's loss and gradients (per parameter,
 fp32) while computing on about a third of the tokens: no padding, each group's prompt once (shared prefixes), and the
 output layer on the completion tokens alone. Shared prompts are checked again on the families whose attention differs
-(sliding windows, soft-capping, a second RoPE base, attention sinks) and on mixture-of-experts models. Tinker's forward_backward
-packs its datums the same way: its logprobs, losses and gradients equal one datum at a time. The check runs in its
-own process (megatron's parallel state)."""
+(sliding windows, soft-capping, a second RoPE base, attention sinks) and on mixture-of-experts models. Tinker's
+forward_backward packs its datums the same way: its logprobs, losses and gradients equal one datum at a time. The check
+runs in its own process (megatron's parallel state)."""
 
 from __future__ import annotations
 
