@@ -56,6 +56,13 @@ def _add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_make_tiny_model)
 
 
+def _add_dequantize(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("dequantize", help="rewrite an MXFP4 checkpoint (the hub's gpt-oss) in bf16 to train and serve")
+    p.add_argument("src", metavar="DIR", help="the MXFP4 checkpoint (a local Hugging Face directory)")
+    p.add_argument("-o", "--output", required=True, metavar="OUT", help="where to write the bf16 checkpoint")
+    p.set_defaults(func=_run_dequantize)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every subcommand."""
     parser = argparse.ArgumentParser(prog="scalarlm", description="scalarlm: train and serve LLMs on one cluster.")
@@ -63,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_generate(sub)
     _add_make_tiny_model(sub)
+    _add_dequantize(sub)
     add_commands(sub)
     return parser
 
@@ -126,6 +134,18 @@ def _run_make_tiny_model(args: argparse.Namespace) -> int:
         heads=args.heads, kv_heads=args.kv_heads, family=args.family, tie_embeddings=args.tie_embeddings,
     )
     print(path)
+    return 0
+
+
+def _run_dequantize(args: argparse.Namespace) -> int:
+    from scalarlm.training.dequantize import dequantize_checkpoint
+
+    try:
+        decoded = dequantize_checkpoint(args.src, args.output)
+    except ValueError as e:
+        print(f"scalarlm dequantize: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.output}: {len(decoded)} MXFP4 tensors decoded to bfloat16")
     return 0
 
 

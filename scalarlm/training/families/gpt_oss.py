@@ -9,8 +9,9 @@ activation is the clamped SwiGLU of the released models: gate clamped above at `
 (up + 1) * gate * sigmoid(1.702 * gate); megatron's MLP computes the same with `activation_func_clamp_value` and
 `glu_linear_offset` 1 around quick_gelu.
 
-Refused, naming the field: the hub's MXFP4 checkpoints (`quantization_config`: dequantize to bf16 first, as the
-published -BF16 conversions are); what vLLM 0.32.0 serves differently from transformers (it hard-codes swiglu alpha
+Refused, naming the field: the hub's MXFP4 checkpoints (`quantization_config`: `scalarlm dequantize` writes the bf16
+copy the trainer trains and vLLM serves and hot-swaps, `training/dequantize.py`); what vLLM 0.32.0 serves differently
+from transformers (it hard-codes swiglu alpha
 1.702 and limit 7, YaRN, and a window on the even layers only); LoRA (as every MoE family).
 """
 

@@ -429,8 +429,9 @@ def _refuse_common(config: dict[str, Any], qkv_bias: bool) -> None:
     family's `attention_bias` means q/k/v biases only, read from the tensor names)."""
     if quantized := config.get("quantization_config"):
         method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        hint = " (`scalarlm dequantize DIR -o OUT` writes a bf16 copy)" if method == "mxfp4" else ""
         raise InvalidRequest(f"the checkpoint is quantized (quantization_config: {method}); the trainer needs its "
-                             "weights in bf16, fp16 or fp32: dequantize it first", param="model")  # fmt: skip
+                             f"weights in bf16, fp16 or fp32: dequantize it first{hint}", param="model")  # fmt: skip
     if config.get("mlp_bias"):
         raise InvalidRequest("mlp_bias=true (biases on the MLP) is not supported", param="model")
     if config.get("attention_bias") and not qkv_bias:
