@@ -33,6 +33,7 @@ def model_arch(model_dir: Path) -> ModelArch:
     """The trained shape of the HF checkpoint in `model_dir` (InvalidRequest naming what its family refuses)."""
     return read_arch(read_config(model_dir), tensor_names(model_dir))
 
+
 def _quick_gelu(x: Tensor) -> Tensor:
     """x sigmoid(1.702 x): GPT-OSS's gate activation (megatron's quick_gelu)."""
     return x * torch.sigmoid(1.702 * x)
