@@ -262,8 +262,9 @@ def test_routing_replay_runs_each_moe_layer_on_the_recorded_experts(moe_models: 
     rows = result_rows(run_check("moe_replay_check.py", list(map(str, moe_models.values())), 1))
     assert sorted(r["model"] for r in rows) == MOE_MODELS
     for r in rows:
-        # measured <= 2.1e-6 (fp32 against float64, outputs up to ~7); 2.6e-5 on GPT-OSS's outputs of up to ~50
-        assert r["replay_diff"] <= TOLERANCE * max(1.0, r["replay_scale"] / 7), r
+        # measured <= 2.1e-6 (fp32 against float64); 2.6e-5 on GPT-OSS, whose outputs reach 34 (its clamped
+        # activations reach 56): the bound grows with the outputs past 3.5 (GPT-OSS's: 9.8e-5)
+        assert r["replay_diff"] <= TOLERANCE * max(1.0, r["replay_scale"] / 3.5), r
         assert r["replay_effect"] > 0.1, r  # the replay decides which experts run
         assert 0.2 < r["changed_fraction"] < 1 and 0 < r["changed_fraction_replayed"] < 1, r
         # GLM-4.5's fixed expert bias stays fp32 under bf16 (the others have none)
