@@ -69,10 +69,8 @@ def dequantize_checkpoint(src: Path, dest: Path, dtype: torch.dtype = torch.bflo
             index.update(dict.fromkeys(shard, filename))
             total += sum(t.numel() * t.element_size() for t in shard.values())
     if len(files) > 1:
-        index_file = {"metadata": {"total_size": total}, "weight_map": dict(sorted(index.items()))}
-        (dest / hf_io.INDEX_NAME).write_text(json.dumps(index_file, indent=2) + "\n")
+        hf_io.write_index(dest, index, total)
     config.pop("quantization_config")
-    config["torch_dtype" if "torch_dtype" in config else "dtype"] = str(dtype).removeprefix("torch.")
-    (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (dest / "config.json").write_text(json.dumps(hf_io.config_in_dtype(config, dtype), indent=2, sort_keys=True) + "\n")
     hf_io.copy_support_files(src, dest)
     return decoded

@@ -239,10 +239,21 @@ def save_safetensors(dest: Path, state: Mapping[str, Tensor], max_shard_bytes: i
     for file, shard in zip(files, shards):
         save_file(shard, str(dest / file), metadata={"format": "pt"})
         weight_map.update({name: file for name in shard})
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (dest / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    write_index(dest, weight_map, sum(t.numel() * t.element_size() for t in state.values()))
     return files
+
+
+def write_index(dest: Path, weight_map: Mapping[str, str], total_bytes: int) -> None:
+    """`model.safetensors.index.json`: which file holds each tensor, and the tensors' total size."""
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    (dest / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def config_in_dtype(config: Mapping[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """`config` saying its weights are stored in `dtype` (under `torch_dtype` where it has that older key)."""
+    out = dict(config)
+    out["torch_dtype" if "torch_dtype" in out else "dtype"] = str(dtype).removeprefix("torch.")
+    return out
 
 
 def write_checkpoint(
@@ -258,8 +269,7 @@ def write_checkpoint(
     state = cast_for_publish(state, dtypes)
     floating = Counter(t.dtype for t in state.values() if t.is_floating_point())
     dtype = floating.most_common(1)[0][0] if floating else next(iter(state.values())).dtype
-    config = dict(config)
-    config["torch_dtype" if "torch_dtype" in config else "dtype"] = str(dtype).removeprefix("torch.")
+    config = config_in_dtype(config, dtype)
     save_safetensors(dest, state, max_shard_bytes)
     (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     copy_support_files(base_dir, dest)
