@@ -87,20 +87,27 @@ def unshard(shards: Sequence[Tensor], kind: Kind) -> Tensor:
     return torch.cat(list(shards), dim=1 if kind == "dim1" else 0)
 
 
-def view_entry(entry: Tensor, view: str) -> Tensor:
-    """`entry` (one entry of a stacked tensor) seen through `view` (`spec.VIEWS`)."""
+def _view_parts(view: str) -> tuple[str, bool]:
+    """(which columns: "", "even" or "odd"; whether transposed) of a view (`spec.VIEWS`)."""
     if view not in VIEWS:
         raise ValueError(f"unknown view {view!r}; expected one of {VIEWS}")
-    parity = view.removesuffix("T").removesuffix(".")
-    if parity:
-        entry = entry[..., ("even", "odd").index(parity)::2]
-    return entry.transpose(0, 1) if view.endswith("T") else entry
+    return view.removesuffix("T").removesuffix("."), view.endswith("T")
+
+
+def view_entry(entry: Tensor, view: str) -> Tensor:
+    """`entry` (one entry of a stacked tensor) seen through `view` (`spec.VIEWS`)."""
+    columns, transposed = _view_parts(view)
+    if columns:
+        entry = entry[..., ("even", "odd").index(columns)::2]
+    return entry.transpose(0, 1) if transposed else entry
 
 
 def unview_entry(views: dict[str, Tensor]) -> Tensor:
     """The stored entry from its views (`view_entry`): one whole view ("" or "T"), or its even and odd halves."""
-    stored = {view.removesuffix(".T").removesuffix("T"): t.transpose(0, 1) if view.endswith("T") else t
-              for view, t in views.items()}  # fmt: skip
+    stored = {}
+    for view, t in views.items():
+        columns, transposed = _view_parts(view)
+        stored[columns] = t.transpose(0, 1) if transposed else t
     if set(stored) == {""}:
         return stored[""]
     if set(stored) != {"even", "odd"}:
