@@ -22,11 +22,12 @@ logger = logging.getLogger(__name__)
 # `--family` names: the trainer's families (scalarlm.training.families) plus llama3 (Llama with llama3 RoPE).
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3", "olmo2",
             "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
-            "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4", "granitemoe", "gpt_oss")  # fmt: skip
+            "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4", "granitemoe", "gpt_oss",
+            "seed_oss")  # fmt: skip
 Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3",
                  "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe",
                  "deepseek_v3", "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4", "granitemoe",
-                 "gpt_oss"]  # fmt: skip
+                 "gpt_oss", "seed_oss"]  # fmt: skip
 # Mixture-of-experts tiny models: 4 experts, 2 per token, each expert's intermediate size hidden / 2.
 TINY_EXPERTS, TINY_TOPK = 4, 2
 # Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3, Gemma).
@@ -239,6 +240,13 @@ def _family_config(
         return transformers.Ernie4_5Config(head_dim=head_dim, use_bias=False,
                                            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
                                            **common)  # fmt: skip
+    if family == "seed_oss":
+        # Seed-OSS-36B's fields: GQA, q/k/v biases (none on o_proj), RoPE base 1e7, dropout 0.1 on the attention
+        # probabilities and on each residual branch (in training only: the parity checks run in eval mode).
+        return transformers.SeedOssConfig(head_dim=head_dim, attention_bias=True, attention_out_bias=False,
+                                          mlp_bias=False, attention_dropout=0.1, residual_dropout=0.1,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 10000000.0},
+                                          **common)  # fmt: skip
     if family == "exaone4":
         # EXAONE-4.0-32B's fields, scaled down: sliding and global (NoPE) layers alternating (32B: 3 sliding to 1
         # global), output norms only, per-head q/k norms, `llama3` RoPE with its original context scaled down (as the
@@ -481,6 +489,7 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
     "granite4": dict(family="granite4", hidden=256, heads=4, kv_heads=2, seed=31),
     "granite-moe": dict(family="granitemoe", hidden=256, heads=4, kv_heads=2, seed=32),
     "gpt-oss": dict(family="gpt_oss", hidden=256, heads=4, kv_heads=2, seed=33),
+    "seed-oss": dict(family="seed_oss", hidden=256, heads=4, kv_heads=2, seed=34),
     "glm": dict(family="glm", hidden=256, heads=4, kv_heads=2, seed=20),
     "glm4": dict(family="glm4", hidden=256, heads=4, kv_heads=2, seed=19),
 }

@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -69,6 +69,8 @@ class Trainer:
         self.base_config = hf_io.read_config(self.base)
         # This rank's view of the model: with expert parallelism, its share of the experts (numbered locally).
         self.arch = expert_rank(model_arch(self.base), par.ep_rank, par.ep_size)
+        if args.disable_dropout:
+            self.arch = replace(self.arch, attention_dropout=0.0, hidden_dropout=0.0)
         check_moe_training(self.arch, args.moe_aux_loss_coef, args.routing_replay)
         self.bf16 = par.on_gpu and args.dtype != "float32"
 

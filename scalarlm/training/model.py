@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -83,7 +84,7 @@ def transformer_config(arch: ModelArch, tp: int, bf16: bool, recompute: bool = F
         qk_layernorm=arch.qk_layernorm,
         # megatron's convention is the opposite of HF's no_rope_layers: 1 = skip RoPE on that layer
         no_rope_freq=[0 if arch.uses_rope(i) else 1 for i in range(arch.num_layers)] if arch.rope_layers else None,
-        hidden_dropout=0.0,
+        hidden_dropout=arch.hidden_dropout,
         attention_dropout=arch.attention_dropout,
         tensor_model_parallel_size=tp,
         sequence_parallel=sequence_parallel,
@@ -269,26 +270,35 @@ def _sdpa_attention_class(arch: ModelArch):
                 return out[..., :width]
 
             bounds = getattr(packed_seq_params, "bounds", None)
-            if bounds is not None:
-                # split, not slices: a slice's backward writes its grad into a zeroed full-length copy (one per
-                # document, then summed); split's backward is one cat. 3.3 of 13.5 ms per layer at 8 documents.
-                sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-                parts = list(zip(*(t.split(sizes, dim=2) for t in (q, k, v))))
-                continues = getattr(packed_seq_params, "continues", None) or [-1] * len(parts)
+            with self._dropout_rng() if opts["dropout_p"] > 0 else nullcontext():
+                if bounds is not None:
+                    # split, not slices: a slice's backward writes its grad into a zeroed full-length copy (one per
+                    # document, then summed); split's backward is one cat. 3.3 of 13.5 ms per layer at 8 documents.
+                    sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+                    parts = list(zip(*(t.split(sizes, dim=2) for t in (q, k, v))))
+                    continues = getattr(packed_seq_params, "continues", None) or [-1] * len(parts)
 
-                def document(i: int) -> Tensor:
-                    qi, ki, vi = parts[i]
-                    if continues[i] < 0:
-                        return causal(qi, ki, vi)
-                    _, kp, vp = parts[continues[i]]  # the shared prefix: every key of it, then this part's own
-                    return causal(qi, torch.cat([kp, ki], dim=2), torch.cat([vp, vi], dim=2), before=kp.shape[2])
+                    def document(i: int) -> Tensor:
+                        qi, ki, vi = parts[i]
+                        if continues[i] < 0:
+                            return causal(qi, ki, vi)
+                        _, kp, vp = parts[continues[i]]  # the shared prefix: every key of it, then this part's own
+                        return causal(qi, torch.cat([kp, ki], dim=2), torch.cat([vp, vi], dim=2),
+                                      before=kp.shape[2])  # fmt: skip
 
-                out = torch.cat([document(i) for i in range(len(parts))], dim=2)
-            elif attention_mask is not None:
-                out = causal(q, k, v, ~attention_mask)
-            else:
-                out = causal(q, k, v)
+                    out = torch.cat([document(i) for i in range(len(parts))], dim=2)
+                elif attention_mask is not None:
+                    out = causal(q, k, v, ~attention_mask)
+                else:
+                    out = causal(q, k, v)
             return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+        def _dropout_rng(self):
+            """As megatron's core attention: attention dropout draws from the TP RNG tracker (each TP rank's heads
+            their own masks), except under sequence parallelism, where the whole block already runs forked."""
+            from megatron.core import tensor_parallel
+
+            return nullcontext() if self.config.sequence_parallel else tensor_parallel.get_cuda_rng_tracker().fork()
 
     return SdpaAttention
 
@@ -507,6 +517,7 @@ def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool 
         _latent_rope(model, arch)
     else:
         _model_rope(model, arch)
+    model.embedding.embedding_dropout.p = 0.0  # megatron's is the hidden dropout; HF's decoders apply none there
     adapt(model, arch, torch.bfloat16 if bf16 else torch.float32, rope_angles)
     if arch.moe_sigmoid:
         _expert_bias_as_parameters(model)

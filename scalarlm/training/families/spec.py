@@ -113,7 +113,10 @@ class ModelArch:
     max_position_embeddings: int
     tied_embeddings: bool
     qkv_bias: bool = False
-    attention_dropout: float = 0.0
+    attention_dropout: float = 0.0  # on the attention probabilities in training (HF `attention_dropout`)
+    # On the attention's and the MLP's outputs before each residual add, in training (Seed-OSS's `residual_dropout`,
+    # Phi-3's `resid_pdrop`; megatron's hidden_dropout). HF's decoders apply none to the embeddings.
+    hidden_dropout: float = 0.0
     qk_layernorm: bool = False  # per-head q/k RMSNorm (megatron's q/k_layernorm; Qwen3, Gemma 3)
     # q/k RMSNorm over the whole projection (every head at once, weights of width heads x head_dim; OLMo 2/3): TP
     # ranks hold their heads' slice of the weight and sum the squares over TP.
@@ -438,9 +441,6 @@ def _refuse_common(config: dict[str, Any], qkv_bias: bool) -> None:
         raise InvalidRequest(
             "attention_bias=true (biases on q/k/v and the attention output) is not supported", param="model"
         )
-    for name in ("resid_pdrop", "embd_pdrop"):
-        if _value(config, name, 0.0):
-            raise InvalidRequest(f"{name}={config[name]} (dropout) is not applied by the trainer", param="model")
 
 
 def read_arch(config: dict[str, Any], tensor_names: Iterable[str], families: dict[str, Family],

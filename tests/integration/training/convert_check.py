@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -97,6 +98,7 @@ def check(model_dir: Path, par) -> dict:
             rope.inv_freq = ours_freq
             RotaryEmbedding.forward.cache_clear()
     grads = grad_diff(model, ref, arch, ids, causal) if par.tp_size == 1 else None
+    dropout = dropout_check(model, ref, arch, ids, causal, ours) if par.tp_size == 1 else {}
     loss_diff, loss_rows = packed_loss_diff(loaded_model(arch, par, hf, parallel_output=True), packed, theirs_packed)
     shards = gather_tp_shards(model, arch, par)
     exact = None
@@ -115,6 +117,7 @@ def check(model_dir: Path, par) -> dict:
         "loss_diff": loss_diff,
         "loss_rows": loss_rows,
         "grad_diff": grads,
+        **dropout,
     }
 
 
@@ -136,6 +139,41 @@ def grad_diff(model, ref, arch, ids: torch.Tensor, causal: torch.Tensor) -> floa
         return None
     return max((p.grad - mapped[name]).abs().max().item() / max(1.0, mapped[name].abs().max().item())
                for name, p in model.named_parameters() if p.grad is not None)  # fmt: skip
+
+
+def dropout_check(model, ref, arch, ids: torch.Tensor, causal: torch.Tensor, eval_logits: torch.Tensor) -> dict:
+    """One forward of each side in training mode: the dropouts it applies ({"<where> <p>": count} for p > 0; where:
+    `attention` on the attention probabilities, `hidden` on a hidden-wide activation), and how far our logits move
+    from eval mode's (exactly 0 without dropout: nothing else differs in training). Both are left in eval mode. At
+    TP=1 (megatron refuses a training-mode MoE forward at TP > 1 without sequence parallelism, which the trainer uses
+    there and this check does not)."""
+    import torch.nn.functional as F
+
+    sites: dict[str, Counter] = {"ours": Counter(), "hf": Counter()}
+    side = ["ours"]
+    dropout, sdpa = F.dropout, F.scaled_dot_product_attention
+
+    def dropout_spy(x, p=0.5, training=True, inplace=False):
+        if p > 0 and training:
+            sites[side[0]][f"{'hidden' if x.shape[-1] == arch.hidden_size else 'attention'} {p:g}"] += 1
+        return dropout(x, p, training, inplace)
+
+    def sdpa_spy(*args, dropout_p=0.0, **kwargs):
+        if dropout_p > 0:
+            sites[side[0]][f"attention {dropout_p:g}"] += 1
+        return sdpa(*args, dropout_p=dropout_p, **kwargs)
+
+    F.dropout, F.scaled_dot_product_attention = dropout_spy, sdpa_spy
+    try:
+        with torch.no_grad():
+            train_logits = model.train()(ids, torch.arange(ids.shape[1]).expand(*ids.shape), causal)
+            side[0] = "hf"
+            ref.train()(ids)
+    finally:
+        F.dropout, F.scaled_dot_product_attention = dropout, sdpa
+        model.eval(), ref.eval()
+    return {"dropout_ours": dict(sites["ours"]), "dropout_hf": dict(sites["hf"]),
+            "train_vs_eval": (train_logits - eval_logits).abs().max().item()}  # fmt: skip
 
 
 def packed_loss_diff(model, packed, theirs_packed: torch.Tensor) -> tuple[float, int]:

@@ -5,8 +5,8 @@ transformers' at TP=1 and TP=2 (mpirun, gloo) in fp32 (and every parameter's gra
 names its parameters as the checkpoint does), on a random batch, on packed documents, and on one 600-token
 sequence (past the llama3 model's original context, far longer than Mistral's sliding window); a training step's
 per-token cross-entropy, computed at the loss positions only, equals HF's on the packed documents; the TP-gathered
-mcore -> HF export is bit-exact; the megatron LoRA forward equals PEFT with the same adapter weights. Each TP size
-runs all models in one process (or one mpirun), once per module.
+mcore -> HF export is bit-exact; in training mode both apply the same dropouts; the megatron LoRA forward equals PEFT
+with the same adapter weights. Each TP size runs all models in one process (or one mpirun), once per module.
 """
 
 from __future__ import annotations
@@ -98,6 +98,15 @@ def test_logits_match_hf(logits, model: str, tp: int) -> None:
     assert r["roundtrip_exact"] is True, r
     # A training step's loss-position cross-entropy (the output layer on those 12 positions only) is HF's.
     assert r["loss_diff"] <= tolerance and r["loss_rows"] == 12, r
+    if tp == 1:
+        # In training mode each side applies the same dropouts (where, p, how many): Seed-OSS's 0.1 on the attention
+        # probabilities and on both residual branches, none on the embeddings; the rest of the families none, and
+        # nothing else differs from eval mode.
+        assert r["dropout_ours"] == r["dropout_hf"], r
+        if model == "seed-oss":
+            assert r["dropout_hf"] == {"attention 0.1": 2, "hidden 0.1": 4} and r["train_vs_eval"] > 0.1, r
+        else:
+            assert r["dropout_hf"] == {} and r["train_vs_eval"] == 0.0, r
     if model == "llama3":
         # megatron's own llama3 scaling (hard-coded low/high_freq_factor, 8192 context) differs at these positions
         assert r["builtin_rope_diff"] > 0.1, r

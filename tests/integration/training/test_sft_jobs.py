@@ -266,3 +266,40 @@ def test_every_step_is_in_tensorboard_event_files_beside_the_metrics(reference: 
         events = board.Scalars(f"train/{name}")
         assert [e.step for e in events] == [r["step"] for r in rows]
         assert [e.value for e in events] == pytest.approx([r[name] for r in rows], rel=1e-6)
+
+
+def _eval_loss(model_dir: Path, rows: list[dict]) -> float:
+    """transformers' eval-mode (no dropout) loss on `rows` as the trainer tokenizes them: the mean cross-entropy over
+    every completion token of the batch."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from scalarlm.protocol.rows import parse_row
+    from scalarlm.training.data import encode_row
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    total, count = 0.0, 0
+    for i, row in enumerate(rows):
+        doc = encode_row(tokenizer, parse_row(json.dumps(row), i + 1))
+        ids, targets = torch.tensor([doc.tokens]), torch.tensor(doc.targets[1:])
+        with torch.no_grad():
+            losses_ = torch.nn.functional.cross_entropy(ref(ids).logits[0, :-1], ids[0, 1:], reduction="none")
+        total, count = total + losses_[targets].sum().item(), count + int(targets.sum())
+    return total / count
+
+
+def test_seed_oss_trains_with_its_dropout_and_disable_dropout_turns_it_off(
+        jobs_root: Path, family_models: dict[str, Path]) -> None:  # fmt: skip
+    """Seed-OSS's checkpoints set dropout 0.1: a job trains with it, as transformers does (step 1's loss is not the
+    eval-mode loss), and TRL's `disable_dropout` trains without it (step 1's loss is transformers' eval-mode loss on
+    the same tokens)."""
+    model, rows = family_models["seed-oss"], qa_rows()[:4]
+    args = dict(max_steps=1, learning_rate=1e-4, batch_size=4, max_seq_len=32, adapter_type="full", seed=0,
+                steps_per_checkpoint=1)  # fmt: skip
+    jobs = {flag: make_job(jobs_root, f"seed-oss-{flag}", model, rows, disable_dropout=flag, **args)
+            for flag in (False, True)}  # fmt: skip
+    for job in jobs.values():
+        assert run_trainer(job) == 0, trainer_output(job)
+    expected = _eval_loss(model, rows)
+    assert abs(losses(jobs[True])[0] - expected) < 1e-5, (losses(jobs[True]), expected)
+    assert abs(losses(jobs[False])[0] - expected) > 1e-3, (losses(jobs[False]), expected)

@@ -55,7 +55,7 @@ def test_registry_names_every_family_once() -> None:
                                             "gemma2", "gemma3", "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral",
                                             "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
                                             "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4",
-                                            "granitemoe", "gpt_oss"}
+                                            "granitemoe", "gpt_oss", "seed_oss"}
     assert all(FAMILIES[a] is f for f in FAMILY_LIST for a in f.architectures)
 
 
@@ -137,7 +137,7 @@ def test_unknown_rope_types_are_refused_naming_the_field(architecture: str, rope
 @pytest.mark.parametrize(
     ("changes", "field"),
     [({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act"), ({"mlp_bias": True}, "mlp_bias"),
-     ({"attention_bias": True}, "attention_bias"), ({"resid_pdrop": 0.1}, "resid_pdrop"),
+     ({"attention_bias": True}, "attention_bias"),
      ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
       "partial_rotary_factor 0.75 .partial RoPE. is not supported for llama")],
 )  # fmt: skip
@@ -221,6 +221,30 @@ def test_ernie4_5_rotates_adjacent_pairs_and_refuses_biases_vllm_would_drop() ->
     assert (arch.rope_theta, arch.qkv_bias, arch.qk_layernorm) == (500000.0, False, False)
     with pytest.raises(InvalidRequest, match="use_bias=true is not supported for ernie4_5"):
         arch_of("Ernie4_5ForCausalLM", use_bias=True)
+
+
+# Seed-OSS-36B-Instruct's fields as its hub config writes them (transformers 4.56: `rope_scaling`, `rope_theta`).
+SEED_OSS = {"attention_bias": True, "attention_out_bias": False, "mlp_bias": False, "attention_dropout": 0.1,
+            "residual_dropout": 0.1, "rope_scaling": {"rope_type": "default"}, "rope_theta": 10000000.0,
+            "head_dim": 128}  # fmt: skip
+
+
+def test_seed_oss_reads_its_qkv_biases_and_dropouts_and_refuses_an_o_proj_bias() -> None:
+    arch = arch_of("SeedOssForCausalLM", **SEED_OSS)
+    assert arch.family == "seed_oss" and arch.qkv_bias and not arch.linear_bias
+    assert (arch.attention_dropout, arch.hidden_dropout, arch.rope_theta) == (0.1, 0.1, 1e7)
+    assert arch_of("SeedOssForCausalLM", **{**SEED_OSS, "residual_dropout": 0}).hidden_dropout == 0.0
+    refusal = r"attention_out_bias=true \(a bias on o_proj\) is not supported for seed_oss"
+    with pytest.raises(InvalidRequest, match=refusal):
+        arch_of("SeedOssForCausalLM", **{**SEED_OSS, "attention_out_bias": True})
+
+
+def test_phi3_trains_with_its_residual_dropout_as_transformers_applies_it() -> None:
+    # resid_pdrop on the attention's and the MLP's outputs; embd_pdrop, which transformers' Phi-3 never applies, neither
+    arch = arch_of("Phi3ForCausalLM", resid_pdrop=0.1, embd_pdrop=0.1)
+    assert (arch.hidden_dropout, arch.attention_dropout) == (0.1, 0.0)
+    assert arch_of("Phi3ForCausalLM").hidden_dropout == 0.0
+    assert arch_of("LlamaForCausalLM", resid_pdrop=0.1).hidden_dropout == 0.0  # no Llama field: transformers ignores it
 
 
 # granite-4.0-micro's fields as its hub config writes them (40 layers, 2 here): every layer "attention", no experts,
