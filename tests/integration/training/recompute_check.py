@@ -27,6 +27,11 @@ def forward_backward(model_dir: Path, recompute: bool) -> tuple[float, dict[str,
         for name, value in hf_to_mcore(hf_io.load_weights(model_dir), arch, 0, 1).items():
             params[name].copy_(value)
     model.train()
+    # the same dropout masks in both runs (Seed-OSS trains with dropout): the recomputed forward must draw them again
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(0)  # first: on CPU the TP tracker's generator starts as a copy of the default one
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
     ids = torch.randint(0, arch.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(64, 64, dtype=torch.bool).triu(1)[None, None]
     saved = [0]

@@ -224,12 +224,13 @@ def test_bad_row_fails_before_training_naming_the_line(jobs_root: Path, tiny_mod
     assert job.read_metrics() == []
 
 
-@pytest.mark.parametrize("model", ["llama", "deepseek-v3"])
+@pytest.mark.parametrize("model", ["llama", "deepseek-v3", "seed-oss"])
 def test_gradient_checkpointing_recomputes_activations_with_the_same_gradients(
         model: str, tiny_model_dir: Path, family_models: dict[str, Path]) -> None:  # fmt: skip
     """In one forward + backward: the same loss and gradients, a fraction of the activations kept for backward; also
     with multi-latent attention (its RoPE module reads the model's position ids again in the recomputed forward),
-    sigmoid-routed experts and their frozen bias."""
+    sigmoid-routed experts and their frozen bias, and dropout (Seed-OSS's: the recomputed forward draws the same
+    masks)."""
     import subprocess
     import sys
 
