@@ -57,8 +57,9 @@ def _add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_dequantize(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("dequantize", help="rewrite an MXFP4 checkpoint (the hub's gpt-oss) in bf16 to train and serve")
-    p.add_argument("src", metavar="DIR", help="the MXFP4 checkpoint (a local Hugging Face directory)")
+    p = sub.add_parser("dequantize", help="rewrite an MXFP4 (gpt-oss) or fine-grained FP8 (DeepSeek-V3, Kimi K2, "
+                                          "Qwen3-FP8) checkpoint in bf16 to train and serve")  # fmt: skip
+    p.add_argument("src", metavar="DIR", help="the quantized checkpoint (a local Hugging Face directory)")
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="where to write the bf16 checkpoint")
     p.set_defaults(func=_run_dequantize)
 
@@ -141,11 +142,11 @@ def _run_dequantize(args: argparse.Namespace) -> int:
     from scalarlm.training.dequantize import dequantize_checkpoint
 
     try:
-        decoded = dequantize_checkpoint(args.src, args.output)
+        method, decoded = dequantize_checkpoint(args.src, args.output)
     except ValueError as e:
         print(f"scalarlm dequantize: {e}", file=sys.stderr)
         return 2
-    print(f"{args.output}: {len(decoded)} MXFP4 tensors decoded to bfloat16")
+    print(f"{args.output}: {len(decoded)} {method.upper()} tensors decoded to bfloat16")
     return 0
 
 

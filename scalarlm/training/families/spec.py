@@ -432,7 +432,8 @@ def _refuse_common(config: dict[str, Any], qkv_bias: bool) -> None:
     family's `attention_bias` means q/k/v biases only, read from the tensor names)."""
     if quantized := config.get("quantization_config"):
         method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
-        hint = " (`scalarlm dequantize DIR -o OUT` writes a bf16 copy)" if method == "mxfp4" else ""
+        fine_grained = method == "fp8" and quantized.get("weight_block_size")
+        hint = " (`scalarlm dequantize DIR -o OUT` writes a bf16 copy)" if method == "mxfp4" or fine_grained else ""
         raise InvalidRequest(f"the checkpoint is quantized (quantization_config: {method}); the trainer needs its "
                              f"weights in bf16, fp16 or fp32: dequantize it first{hint}", param="model")  # fmt: skip
     if config.get("mlp_bias"):

@@ -70,6 +70,8 @@ def test_the_mtp_layer_is_skipped_and_missing_latent_tensors_refused() -> None:
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic' is not supported for deepseek_v3"),
     ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}, r"quantized \(quantization_config: fp8\).*"
                                                                        "dequantize it first"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},  # V3's own release
+     r"quantized \(quantization_config: fp8\).*dequantize it first \(`scalarlm dequantize DIR -o OUT`"),
     ({"moe_layer_freq": 2}, "moe_layer_freq=2 is not supported"),
 ])  # fmt: skip
 def test_refusals_name_the_field(change: dict, message: str) -> None:
