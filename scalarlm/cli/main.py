@@ -57,8 +57,8 @@ def _add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_dequantize(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("dequantize", help="rewrite an MXFP4 (gpt-oss) or fine-grained FP8 (DeepSeek-V3, Kimi K2, "
-                                          "Qwen3-FP8) checkpoint in bf16 to train and serve")  # fmt: skip
+    p = sub.add_parser("dequantize", help="rewrite an MXFP4 (gpt-oss) or fine-grained FP8 (DeepSeek-V3, Qwen3-FP8) "
+                                          "checkpoint in bf16 to train and serve")  # fmt: skip
     p.add_argument("src", metavar="DIR", help="the quantized checkpoint (a local Hugging Face directory)")
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="where to write the bf16 checkpoint")
     p.set_defaults(func=_run_dequantize)

@@ -6,8 +6,8 @@ hot-swaps unquantized. Two formats the hub's releases use:
   as transformers decodes them (`integrations/mxfp4.py`); the result is transposed to the x @ W layout GPT-OSS's
   experts compute with (`gate_up_proj` [E, H, 2I], `down_proj` [E, I, H]). Every value is exact in bf16 (at most two
   significant bits times a power of two).
-- Fine-grained FP8 (`quant_method` fp8 with `weight_block_size`: DeepSeek-V3/R1/V3.1, Kimi K2, Qwen3's and
-  MiniMax's FP8 releases): each float8 `<name>` times its `<name>_scale_inv`, one scale per block of
+- Fine-grained FP8 (`quant_method` fp8 with `weight_block_size`: DeepSeek-V3/R1/V3.1's own releases, Qwen3's FP8
+  releases): each float8 `<name>` times its `<name>_scale_inv`, one scale per block of
   `weight_block_size` (the last block of a dimension may be partial, as DeepSeek's own dequantization reads it), in
   fp32, then rounded to bf16, as transformers dequantizes them on load (`Fp8Dequantize`). Scales stored as fp32,
   bf16, float8_e8m0 or uint8 exponents (2^(s - 127)) are read.
