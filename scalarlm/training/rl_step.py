@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -117,10 +119,21 @@ def _micro_count(ranks: list[list[RLDoc]], max_len: int, per_micro: int, share: 
 def _reference_logp(trainer: "Trainer", batch: MicroBatch) -> Tensor:
     """Per-token logprobs of the frozen reference: the base (adapters off) or the frozen full-weight copy."""
     with torch.no_grad():
-        if trainer.lora:
-            with adapters_disabled(trainer.model):
+        if trainer.lora:  # in eval mode, as the frozen copy: no dropout in the reference
+            with adapters_disabled(trainer.model), evaluating(trainer.ddp):
                 return -token_losses(trainer.ddp, batch, loss_only=True).float()
         return -token_losses(trainer.ref_model, batch, loss_only=True).float()
+
+
+@contextmanager
+def evaluating(module: torch.nn.Module) -> Iterator[None]:
+    """`module` in eval mode for the block, then in the mode it was in."""
+    was = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was)
 
 
 def grpo_loss(trainer: "Trainer", batch: RLBatch) -> LossFn:

@@ -238,7 +238,9 @@ def forward_backward(trainer: "Trainer", request: dict[str, Any], backward: bool
     inputs = [loss_inputs(loss_fn, datum, len(datum["tokens"]), i, config) for i, datum in enumerate(data)]
     start = time.perf_counter()
     par = trainer.par
-    trainer.ddp.train()
+    # forward alone runs in eval mode: the logprobs the weights give, without the dropout some checkpoints train with
+    # (Seed-OSS's), which forward_backward applies as training does
+    trainer.ddp.train(backward)
     # Tokens per forward, as a GRPO micro-batch's; a datum per forward pass when a trained balance loss takes its
     # gradient. A forward without backward packs still: routing is per token (top k, no token dropping) and
     # megatron adds the loss only where gradients are enabled, so the logprobs are the same.

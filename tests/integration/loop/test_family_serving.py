@@ -173,3 +173,39 @@ def test_one_grpo_step_trains_and_publishes(family_server: tuple[str, str, Path]
         first, second = job.metrics()
         assert "moe_routing_changed_fraction" not in first and 0 <= second["moe_routing_changed_fraction"] <= 1
         assert first["moe_load_balancing_loss"] > 0 and second["batch_step"] == 2
+
+
+def test_tinker_forward_gives_the_weights_logprobs_and_forward_backward_trains_with_dropout(
+        family_server: tuple[str, str, Path]) -> None:  # fmt: skip
+    """A checkpoint that trains with dropout (Seed-OSS's 0.1) through the Tinker API: `forward` (eval mode) returns
+    the logprobs the weights give, the same on every call and equal to transformers'; `forward_backward` applies the
+    dropout as training does."""
+    family, url, base = family_server
+    if family != "seed-oss":
+        pytest.skip(f"{family}: its checkpoint sets no dropout")
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tinker = pytest.importorskip("tinker")
+    from tinker import types
+
+    seq = AutoTokenizer.from_pretrained(base)(PROMPTS[0] + " Paris").input_ids
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()(torch.tensor([seq[:-1]])).logits
+    expected = torch.log_softmax(logits[0].double(), -1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0].numpy()
+    inputs = {"target_tokens": np.array(seq[1:]), "weights": np.ones(len(seq) - 1, np.float32)}
+    datum = types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]),
+                        loss_fn_inputs={k: types.TensorData.from_numpy(v) for k, v in inputs.items()})  # fmt: skip
+    service = tinker.ServiceClient(base_url=url, api_key="tml-unused")
+    try:
+        name = service.get_server_capabilities().supported_models[0].model_name
+        client = service.create_lora_training_client(base_model=name, rank=8).result()
+        first, again = (client.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+                        for _ in range(2))  # fmt: skip
+        assert np.array_equal(first, again)
+        np.testing.assert_allclose(first, expected, atol=2e-5)
+        trained = client.forward_backward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        assert np.abs(trained - expected).max() > 1e-3
+    finally:
+        service.close("success").result()
