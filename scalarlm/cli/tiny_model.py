@@ -23,16 +23,16 @@ logger = logging.getLogger(__name__)
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3", "olmo2",
             "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
             "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4", "granitemoe", "gpt_oss",
-            "seed_oss")  # fmt: skip
+            "seed_oss", "starcoder2")  # fmt: skip
 Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3",
                  "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe",
                  "deepseek_v3", "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4", "granitemoe",
-                 "gpt_oss", "seed_oss"]  # fmt: skip
+                 "gpt_oss", "seed_oss", "starcoder2"]  # fmt: skip
 # Mixture-of-experts tiny models: 4 experts, 2 per token, each expert's intermediate size hidden / 2.
 TINY_EXPERTS, TINY_TOPK = 4, 2
 # Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3, Gemma).
 TIED_BY_DEFAULT = frozenset({"qwen3", "llama3", "smollm3", "gemma", "gemma2", "gemma3", "granite", "ernie4_5",
-                             "granite4", "granitemoe"})  # fmt: skip
+                             "granite4", "granitemoe", "starcoder2"})  # fmt: skip
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<unk>"]
 # vLLM's CPU attention kernels support only these head sizes.
@@ -240,6 +240,15 @@ def _family_config(
         return transformers.Ernie4_5Config(head_dim=head_dim, use_bias=False,
                                            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
                                            **common)  # fmt: skip
+    if family == "starcoder2":
+        # starcoder2-3b's fields (GQA, biases everywhere, LayerNorm, tanh GeLU, tied embeddings; its 0.1 dropouts) with
+        # a sliding window of 8 so the parity sequences pass it.
+        fields = {k: v for k, v in common.items() if k != "rms_norm_eps"}
+        return transformers.Starcoder2Config(use_bias=True, norm_epsilon=1e-5, hidden_act="gelu_pytorch_tanh",
+                                             sliding_window=8, attention_dropout=0.1, residual_dropout=0.1,
+                                             embedding_dropout=0.1, rope_parameters={"rope_type": "default",
+                                                                                     "rope_theta": 100000.0},
+                                             **fields)  # fmt: skip
     if family == "seed_oss":
         # Seed-OSS-36B's fields: GQA, q/k/v biases (none on o_proj), RoPE base 1e7, dropout 0.1 on the attention
         # probabilities and on each residual branch (in training only: the parity checks run in eval mode).
@@ -490,6 +499,7 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
     "granite-moe": dict(family="granitemoe", hidden=256, heads=4, kv_heads=2, seed=32),
     "gpt-oss": dict(family="gpt_oss", hidden=256, heads=4, kv_heads=2, seed=33),
     "seed-oss": dict(family="seed_oss", hidden=256, heads=4, kv_heads=2, seed=34),
+    "starcoder2": dict(family="starcoder2", hidden=256, heads=4, kv_heads=2, seed=35),
     "glm": dict(family="glm", hidden=256, heads=4, kv_heads=2, seed=20),
     "glm4": dict(family="glm4", hidden=256, heads=4, kv_heads=2, seed=19),
 }

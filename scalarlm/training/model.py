@@ -43,6 +43,10 @@ def _quick_gelu(x: Tensor) -> Tensor:
 _ACTIVATIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh"), "quick_gelu": _quick_gelu}
 
 
+def _normalization(arch: ModelArch) -> str:
+    return "LayerNorm" if arch.layer_norm else "RMSNorm"
+
+
 def sequence_parallel(arch: ModelArch, tp: int) -> bool:
     """Whether the trainer runs `arch` at `tp` under megatron's sequence parallelism: a mixture-of-experts model at
     TP > 1 (megatron's MoE layer trains at TP > 1 only so: each TP rank routes its own share of the tokens, the
@@ -72,9 +76,9 @@ def transformer_config(arch: ModelArch, tp: int, bf16: bool, recompute: bool = F
         num_query_groups=arch.num_kv_heads,
         kv_channels=arch.head_dim,
         ffn_hidden_size=arch.ffn_hidden_size,
-        normalization="RMSNorm",
+        normalization=_normalization(arch),
         layernorm_epsilon=arch.norm_eps,
-        gated_linear_unit=True,
+        gated_linear_unit=arch.gated_mlp,
         activation_func=_ACTIVATIONS[arch.activation],
         softmax_scale=arch.softmax_scale,
         add_bias_linear=arch.linear_bias,
@@ -374,8 +378,9 @@ def _layer_specs(arch: ModelArch, sequence_parallel: bool = False):
 
     def spec(experts: int | None):
         mla = arch.mla is not None  # its latent norms are megatron's q/kv_layernorm
-        layer = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm",
-                                         qk_layernorm=arch.qk_layernorm or mla, multi_latent_attention=mla)  # fmt: skip
+        layer = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
+                                         normalization=_normalization(arch), qk_layernorm=arch.qk_layernorm or mla,
+                                         multi_latent_attention=mla)  # fmt: skip
         # SDPA instead of megatron's unfused baddbmm + masked softmax + bmm (same maths, one fused kernel).
         attention = layer.submodules.self_attention.submodules
         attention.core_attention = _sdpa_attention_class(arch)
@@ -517,7 +522,7 @@ def build_gpt_model(arch: ModelArch, tp: int, bf16: bool, parallel_output: bool 
         _latent_rope(model, arch)
     else:
         _model_rope(model, arch)
-    model.embedding.embedding_dropout.p = 0.0  # megatron's is the hidden dropout; HF's decoders apply none there
+    model.embedding.embedding_dropout.p = arch.embedding_dropout  # megatron's own is the hidden dropout
     adapt(model, arch, torch.bfloat16 if bf16 else torch.float32, rope_angles)
     if arch.moe_sigmoid:
         _expert_bias_as_parameters(model)

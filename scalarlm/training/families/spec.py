@@ -115,8 +115,13 @@ class ModelArch:
     qkv_bias: bool = False
     attention_dropout: float = 0.0  # on the attention probabilities in training (HF `attention_dropout`)
     # On the attention's and the MLP's outputs before each residual add, in training (Seed-OSS's `residual_dropout`,
-    # Phi-3's `resid_pdrop`; megatron's hidden_dropout). HF's decoders apply none to the embeddings.
+    # Phi-3's `resid_pdrop`; megatron's hidden_dropout).
     hidden_dropout: float = 0.0
+    embedding_dropout: float = 0.0  # on the embeddings, in training (StarCoder2's; most of HF's decoders apply none)
+    # The MLP's input is one projection, not a [gate; up] pair (`mlp_names`' fused name: StarCoder2's c_fc), its
+    # activation applied to all of it (megatron's gated_linear_unit off).
+    gated_mlp: bool = True
+    layer_norm: bool = False  # LayerNorm (mean removed, with a bias) instead of RMSNorm everywhere (StarCoder2)
     qk_layernorm: bool = False  # per-head q/k RMSNorm (megatron's q/k_layernorm; Qwen3, Gemma 3)
     # q/k RMSNorm over the whole projection (every head at once, weights of width heads x head_dim; OLMo 2/3): TP
     # ranks hold their heads' slice of the weight and sum the squares over TP.
@@ -185,7 +190,8 @@ class ModelArch:
     # of every expert's gate and up interleaved by column (gate first), its down the [E, I, H] one, each with a
     # `<name>_bias` tensor beside it; the names carry no `.weight`.
     interleaved_experts: bool = False
-    # Biases on the attention output, the router and every expert's projections (GPT-OSS; megatron's add_bias_linear).
+    # Biases on the attention output, the dense MLP's, the router and every expert's projections (GPT-OSS, StarCoder2;
+    # megatron's add_bias_linear).
     linear_bias: bool = False
     # A learned logit per head joins every softmax of the attention and takes its share of the probability
     # (GPT-OSS's `sinks`; megatron's learnable softmax offset).
@@ -477,7 +483,7 @@ def read_arch(config: dict[str, Any], tensor_names: Iterable[str], families: dic
         num_kv_heads=int(_value(config, "num_key_value_heads", heads)),
         head_dim=extra.pop("head_dim", int(_value(config, "head_dim", hidden // heads))),  # MLA: q's head
         ffn_hidden_size=extra.pop("ffn_hidden_size", int(config["intermediate_size"])),
-        norm_eps=float(_value(config, "rms_norm_eps", 1e-6)),
+        norm_eps=extra.pop("norm_eps", float(_value(config, "rms_norm_eps", 1e-6))),  # StarCoder2: norm_epsilon
         max_position_embeddings=int(_value(config, "max_position_embeddings", 4096)),
         tied_embeddings=bool(_value(config, "tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
@@ -513,7 +519,7 @@ def rules(arch: ModelArch) -> Iterator[Rule]:
         attn, mlp = hf + "self_attn.", f"{hf}{arch.mlp_names[0]}."
         qkv, fc1, fc2 = hf_projections(arch.fused_qkv, arch.fused_gate_up, arch.mlp_names)
         if arch.input_norms:
-            yield Rule(mc + "input_layernorm.weight", (hf + "input_layernorm.weight",), "replicated")
+            yield from _norm_rules(arch, mc + "input_layernorm", hf + "input_layernorm")
         if arch.mla:
             yield from _latent_attention_rules(arch.mla, attn, mc + "self_attention.")
         else:
@@ -536,15 +542,26 @@ def rules(arch: ModelArch) -> Iterator[Rule]:
                 yield Rule(mc + "pre_mlp_layernorm.weight", (f"{hf}{pre_mlp}.weight",), "replicated")
             yield Rule(mc + "mlp.post_norm.weight", (f"{hf}{mlp_out}.weight",), "replicated")
         else:
-            yield Rule(mc + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), "replicated")
+            yield from _norm_rules(arch, mc + "pre_mlp_layernorm", hf + "post_attention_layernorm")
         if arch.is_moe(i):
             yield from _expert_rules(arch, hf, mc)
         else:
-            yield Rule(mc + "mlp.linear_fc1.weight", tuple(f"{mlp}{p}.weight" for p in fc1), "fc1")
+            up = "fc1" if arch.gated_mlp else "dim0"  # a [gate; up] pair is split per TP rank as two halves
+            yield Rule(mc + "mlp.linear_fc1.weight", tuple(f"{mlp}{p}.weight" for p in fc1), up)
             yield Rule(mc + "mlp.linear_fc2.weight", (f"{mlp}{fc2}.weight",), "dim1")
-    yield Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated")
+            if arch.linear_bias:
+                yield Rule(mc + "mlp.linear_fc1.bias", tuple(f"{mlp}{p}.bias" for p in fc1), up)
+                yield Rule(mc + "mlp.linear_fc2.bias", (f"{mlp}{fc2}.bias",), "replicated")
+    yield from _norm_rules(arch, "decoder.final_layernorm", "model.norm")
     if not arch.tied_embeddings:
         yield Rule("output_layer.weight", ("lm_head.weight",), "dim0")
+
+
+def _norm_rules(arch: ModelArch, mc: str, hf: str) -> Iterator[Rule]:
+    """A norm's weight (and its bias, a LayerNorm's), the same on every TP rank."""
+    yield Rule(mc + ".weight", (hf + ".weight",), "replicated")
+    if arch.layer_norm:
+        yield Rule(mc + ".bias", (hf + ".bias",), "replicated")
 
 
 def _latent_attention_rules(mla: LatentAttention, hf: str, mc: str) -> Iterator[Rule]:

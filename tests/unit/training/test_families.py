@@ -34,13 +34,16 @@ def arch_of(architecture: str = "LlamaForCausalLM", **changes) -> ModelArch:
 def _names_for(config: dict) -> list[str]:
     family = FAMILIES.get(config["architectures"][0], BY_NAME["llama"])
     tied = bool(config.get("tie_word_embeddings"))
+    extra = family.extra(config)  # StarCoder2: its norms' and linears' biases
     shape = ModelArch(family=family.name, vocab_size=1, hidden_size=1, num_layers=config["num_hidden_layers"],
                       num_heads=1, num_kv_heads=1, head_dim=1, ffn_hidden_size=1, norm_eps=0.0, rope_theta=0.0,
                       max_position_embeddings=1, tied_embeddings=tied, qk_layernorm=family.qk_layernorm,
                       fused_qkv=family.fused_qkv, fused_gate_up=family.fused_gate_up, mlp_names=family.mlp_names,
                       sandwich_norms=family.sandwich_norms, input_norms=family.input_norms,
                       qk_norm_over_projection=family.qk_norm_over_projection, norm_names=family.norm_names,
-                      qkv_bias=family.qkv_bias_from_weights and bool(config.get("attention_bias")))  # fmt: skip
+                      qkv_bias=family.qkv_bias_from_weights and bool(config.get("attention_bias") or
+                                                                      config.get("use_bias")),
+                      **{k: v for k, v in extra.items() if k in ("layer_norm", "linear_bias")})  # fmt: skip
     return hf_tensor_names(shape)
 
 
@@ -55,7 +58,7 @@ def test_registry_names_every_family_once() -> None:
                                             "gemma2", "gemma3", "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral",
                                             "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
                                             "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4",
-                                            "granitemoe", "gpt_oss", "seed_oss"}
+                                            "granitemoe", "gpt_oss", "seed_oss", "starcoder2"}
     assert all(FAMILIES[a] is f for f in FAMILY_LIST for a in f.architectures)
 
 
@@ -237,6 +240,27 @@ def test_seed_oss_reads_its_qkv_biases_and_dropouts_and_refuses_an_o_proj_bias()
     refusal = r"attention_out_bias=true \(a bias on o_proj\) is not supported for seed_oss"
     with pytest.raises(InvalidRequest, match=refusal):
         arch_of("SeedOssForCausalLM", **{**SEED_OSS, "attention_out_bias": True})
+
+
+# starcoder2-3b's fields as its hub config writes them (transformers 4.x: `rope_theta` at the top level).
+STARCODER2 = {"use_bias": True, "norm_epsilon": 1e-5, "hidden_act": "gelu_pytorch_tanh", "sliding_window": 4096,
+              "attention_dropout": 0.1, "residual_dropout": 0.1, "embedding_dropout": 0.1, "rope_theta": 999999.44,
+              "tie_word_embeddings": True}  # fmt: skip
+
+
+def test_starcoder2_reads_layer_norms_an_ungated_mlp_biases_windows_and_dropouts() -> None:
+    arch = arch_of("Starcoder2ForCausalLM", **STARCODER2)
+    assert arch.family == "starcoder2" and arch.layer_norm and not arch.gated_mlp and arch.activation == "gelu_tanh"
+    assert arch.qkv_bias and arch.linear_bias and arch.tied_embeddings and arch.windows == (4096, 4096)
+    assert (arch.norm_eps, arch.rope_theta) == (1e-5, 999999.44)
+    assert (arch.attention_dropout, arch.hidden_dropout, arch.embedding_dropout) == (0.1, 0.1, 0.1)
+    names = set(hf_tensor_names(arch))
+    assert {"model.layers.0.mlp.c_fc.bias", "model.layers.1.post_attention_layernorm.bias", "model.norm.bias",
+            "model.layers.0.self_attn.o_proj.bias"} <= names and not any("gate" in n for n in names)  # fmt: skip
+    with pytest.raises(InvalidRequest, match="hidden_act 'gelu' is not supported for starcoder2"):
+        arch_of("Starcoder2ForCausalLM", **{**STARCODER2, "hidden_act": "gelu"})
+    with pytest.raises(InvalidRequest, match="adapter_type 'lora' is not supported for starcoder2: LoRA on StarCoder2"):
+        lora_targets(FAMILIES["Starcoder2ForCausalLM"], ALL_LINEAR)
 
 
 def test_phi3_trains_with_its_residual_dropout_as_transformers_applies_it() -> None:
