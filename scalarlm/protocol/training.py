@@ -110,8 +110,9 @@ class TrainArgs(BaseModel):
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
-    # TRL's disable_dropout: train without the dropout the checkpoint's config sets (on the attention probabilities
-    # and the residual branches; Seed-OSS's checkpoints set 0.1), otherwise applied in training as transformers does.
+    # TRL's disable_dropout: train without the dropout the checkpoint's config sets (on the attention probabilities,
+    # the residual branches, StarCoder2's embeddings; Seed-OSS's and StarCoder2's checkpoints set 0.1), otherwise
+    # applied in training as transformers does.
     disable_dropout: bool = False
     max_seq_len: int = Field(512, ge=8, le=1_048_576)
     pack: bool = True

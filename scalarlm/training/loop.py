@@ -70,7 +70,7 @@ class Trainer:
         # This rank's view of the model: with expert parallelism, its share of the experts (numbered locally).
         self.arch = expert_rank(model_arch(self.base), par.ep_rank, par.ep_size)
         if args.disable_dropout:
-            self.arch = replace(self.arch, attention_dropout=0.0, hidden_dropout=0.0)
+            self.arch = replace(self.arch, attention_dropout=0.0, hidden_dropout=0.0, embedding_dropout=0.0)
         check_moe_training(self.arch, args.moe_aux_loss_coef, args.routing_replay)
         self.bf16 = par.on_gpu and args.dtype != "float32"
 

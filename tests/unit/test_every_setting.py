@@ -180,7 +180,7 @@ EVIDENCE: dict[str, list[str]] = {
     "TrainArgs.min_lr_ratio": [SCHEDULE],
     "TrainArgs.weight_decay": ["tests/unit/training/test_optim.py::test_weight_decay_shrinks_matrices_only"],
     "TrainArgs.disable_dropout": [
-        "tests/integration/training/test_sft_jobs.py::test_seed_oss_trains_with_its_dropout_and_disable_dropout_turns_it_off",
+        "tests/integration/training/test_sft_jobs.py::test_checkpoint_dropout_is_trained_and_disable_dropout_turns_it_off",
     ],
     "TrainArgs.max_grad_norm": ["tests/unit/training/test_optim.py::test_max_grad_norm_clips_the_global_norm"],
     "TrainArgs.max_seq_len": [SFT_JOB],  # the long row is cut to max_seq_len: details.data.truncated_rows == 1

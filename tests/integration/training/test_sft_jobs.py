@@ -289,15 +289,16 @@ def _eval_loss(model_dir: Path, rows: list[dict]) -> float:
     return total / count
 
 
-def test_seed_oss_trains_with_its_dropout_and_disable_dropout_turns_it_off(
-        jobs_root: Path, family_models: dict[str, Path]) -> None:  # fmt: skip
-    """Seed-OSS's checkpoints set dropout 0.1: a job trains with it, as transformers does (step 1's loss is not the
-    eval-mode loss), and TRL's `disable_dropout` trains without it (step 1's loss is transformers' eval-mode loss on
-    the same tokens)."""
-    model, rows = family_models["seed-oss"], qa_rows()[:4]
+@pytest.mark.parametrize("family", ["seed-oss", "starcoder2"])
+def test_checkpoint_dropout_is_trained_and_disable_dropout_turns_it_off(
+        jobs_root: Path, family_models: dict[str, Path], family: str) -> None:  # fmt: skip
+    """Seed-OSS's and StarCoder2's checkpoints set dropout 0.1 (StarCoder2's on the embeddings too): a job trains with
+    it, as transformers does (step 1's loss is not the eval-mode loss), and TRL's `disable_dropout` trains without it
+    (step 1's loss is transformers' eval-mode loss on the same tokens)."""
+    model, rows = family_models[family], qa_rows()[:4]
     args = dict(max_steps=1, learning_rate=1e-4, batch_size=4, max_seq_len=32, adapter_type="full", seed=0,
                 steps_per_checkpoint=1)  # fmt: skip
-    jobs = {flag: make_job(jobs_root, f"seed-oss-{flag}", model, rows, disable_dropout=flag, **args)
+    jobs = {flag: make_job(jobs_root, f"{family}-{flag}", model, rows, disable_dropout=flag, **args)
             for flag in (False, True)}  # fmt: skip
     for job in jobs.values():
         assert run_trainer(job) == 0, trainer_output(job)
