@@ -127,9 +127,11 @@ class ModelArch:
     # ranks hold their heads' slice of the weight and sum the squares over TP.
     qk_norm_over_projection: bool = False
     fused_qkv: bool = False  # HF holds one self_attn.qkv_proj ([q; k; v]) instead of q/k/v_proj
-    fused_gate_up: bool = False  # HF holds one mlp.gate_up_proj ([gate; up])
-    # HF names of the dense MLP: its module, its fused [gate; up] projection (with `fused_gate_up`) and its down
-    # projection (Granite 4.0: shared_mlp, input_linear, output_linear).
+    # HF holds one MLP input projection: mlp.gate_up_proj ([gate; up]), or without `gated_mlp` the up one (c_fc)
+    fused_gate_up: bool = False
+    # HF names of the dense MLP: its module, its one input projection (with `fused_gate_up`: [gate; up], or the up
+    # projection of an ungated MLP) and its down projection (Granite 4.0: shared_mlp, input_linear, output_linear;
+    # StarCoder2: mlp, c_fc, c_proj).
     mlp_names: tuple[str, str, str] = MLP_NAMES
     llama3_rope: tuple[float, float, float, int] | None = None  # factor, low_freq_factor, high_freq_factor, orig_max
     rope_layers: tuple[bool, ...] = ()  # per layer: applies RoPE (empty = every layer)
