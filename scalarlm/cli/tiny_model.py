@@ -23,11 +23,11 @@ logger = logging.getLogger(__name__)
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3", "olmo2",
             "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
             "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4", "granitemoe", "gpt_oss",
-            "seed_oss", "starcoder2")  # fmt: skip
+            "seed_oss", "starcoder2", "arcee", "nemotron")  # fmt: skip
 Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3",
                  "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe",
                  "deepseek_v3", "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4", "granitemoe",
-                 "gpt_oss", "seed_oss", "starcoder2"]  # fmt: skip
+                 "gpt_oss", "seed_oss", "starcoder2", "arcee", "nemotron"]  # fmt: skip
 # Mixture-of-experts tiny models: 4 experts, 2 per token, each expert's intermediate size hidden / 2.
 TINY_EXPERTS, TINY_TOPK = 4, 2
 # Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3, Gemma).
@@ -249,6 +249,19 @@ def _family_config(
                                              embedding_dropout=0.1, rope_parameters={"rope_type": "default",
                                                                                      "rope_theta": 100000.0},
                                              **fields)  # fmt: skip
+    if family == "arcee":
+        # AFM-4.5B's fields: GQA, an ungated ReLU-squared MLP (up_proj, down_proj), no biases, untied embeddings, yarn
+        # RoPE (its factor 20) with the original context scaled down as the other yarn tiny models'.
+        yarn = {**YARN_ROPE, "rope_theta": 10000.0, "factor": 20.0}
+        return transformers.ArceeConfig(head_dim=head_dim, hidden_act="relu2", attention_bias=False, mlp_bias=False,
+                                        rope_parameters=yarn, **common)  # fmt: skip
+    if family == "nemotron":
+        # Minitron-8B's fields: GQA, RoPE on the leading half of each head, LayerNorm1P (zero-centred weight, a bias),
+        # an ungated ReLU-squared MLP, no biases, untied embeddings.
+        fields = {k: v for k, v in common.items() if k != "rms_norm_eps"}
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+        return transformers.NemotronConfig(head_dim=head_dim, hidden_act="relu2", norm_eps=1e-5, attention_bias=False,
+                                           mlp_bias=False, rope_parameters=rope, **fields)  # fmt: skip
     if family == "seed_oss":
         # Seed-OSS-36B's fields: GQA, q/k/v biases (none on o_proj), RoPE base 1e7, dropout 0.1 on the attention
         # probabilities and on each residual branch (in training only: the parity checks run in eval mode).
@@ -500,6 +513,8 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
     "gpt-oss": dict(family="gpt_oss", hidden=256, heads=4, kv_heads=2, seed=33),
     "seed-oss": dict(family="seed_oss", hidden=256, heads=4, kv_heads=2, seed=34),
     "starcoder2": dict(family="starcoder2", hidden=256, heads=4, kv_heads=2, seed=35),
+    "arcee": dict(family="arcee", hidden=256, heads=4, kv_heads=2, seed=36),
+    "nemotron": dict(family="nemotron", hidden=256, heads=4, kv_heads=2, seed=37),
     "glm": dict(family="glm", hidden=256, heads=4, kv_heads=2, seed=20),
     "glm4": dict(family="glm4", hidden=256, heads=4, kv_heads=2, seed=19),
 }

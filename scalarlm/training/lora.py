@@ -2,7 +2,7 @@
 
 Megatron fuses q/k/v into `linear_qkv` and gate/up into `linear_fc1`; LoRA is defined per HF module the family
 declares (``q_proj`` ... ``down_proj``, Phi-3's fused ``qkv_proj`` / ``gate_up_proj``, Granite 4.0's ``input_linear`` /
-``output_linear``: what vLLM loads)
+``output_linear``, StarCoder2's ``c_fc`` / ``c_proj``: what vLLM loads)
 as a low-rank delta ``scale * B @ A @ x`` added to the fused output, laid out by `families.layouts` exactly as the
 weights are, so the exported A/B are exactly PEFT's ``lora_A`` / ``lora_B`` of the HF module.
 
@@ -42,7 +42,7 @@ def linears(arch: ModelArch) -> dict[str, tuple[str, tuple[str, ...], Kind]]:
     return {
         "self_attention.linear_qkv": ("self_attn", attn, "qkv"),
         "self_attention.linear_proj": ("self_attn", ("o_proj",), "dim1"),
-        "mlp.linear_fc1": (module, mlp, "fc1"),
+        "mlp.linear_fc1": (module, mlp, "fc1" if arch.gated_mlp else "dim0"),
         "mlp.linear_fc2": (module, (down,), "dim1"),
     }
 
@@ -88,7 +88,6 @@ def _proj_shapes(arch: ModelArch) -> dict[str, tuple[int, int]]:
     _, fused, down = arch.mlp_names
     return {
         "qkv_proj": (h, qkv),
-        fused: (h, 2 * arch.ffn_hidden_size),
         "q_proj": (h, arch.num_heads * d),
         "k_proj": (h, arch.num_kv_heads * d),
         "v_proj": (h, arch.num_kv_heads * d),
@@ -96,6 +95,7 @@ def _proj_shapes(arch: ModelArch) -> dict[str, tuple[int, int]]:
         "gate_proj": (h, arch.ffn_hidden_size),
         "up_proj": (h, arch.ffn_hidden_size),
         down: (arch.ffn_hidden_size, h),
+        fused: (h, (2 if arch.gated_mlp else 1) * arch.ffn_hidden_size),  # [gate; up], or an ungated MLP's input
     }
 
 

@@ -40,7 +40,13 @@ def _quick_gelu(x: Tensor) -> Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
-_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh"), "quick_gelu": _quick_gelu}
+def _squared_relu(x: Tensor) -> Tensor:
+    """relu(x) ** 2: Arcee's MLP activation (megatron's squared_relu, without its jit decoration)."""
+    return torch.square(F.relu(x))
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh"), "quick_gelu": _quick_gelu,
+                "squared_relu": _squared_relu}  # fmt: skip
 
 
 def _normalization(arch: ModelArch) -> str:

@@ -1,7 +1,8 @@
 """The layer pieces megatron-core 0.16.1 lacks, applied to a built GPTModel by small ordered functions (torch).
 
 Each is driven by one `ModelArch` field, never by the model type (Gemma 2/3, OLMo 2/3, Granite, Phi need them today):
-`norm_offset` swaps every RMSNorm for the zero-centred `x_hat * (1 + w)` one computed in fp32; `input_norms` False
+`norm_offset` swaps every norm for the zero-centred one: RMSNorm's `x_hat * (1 + w)` computed in fp32, or with
+`layer_norm` LayerNorm's (Nemotron's LayerNorm1P); `input_norms` False
 removes the norms before attention and the MLP; `qk_norm_over_projection` normalises q and k over every head at once
 (summing the squares over TP); `sandwich_norms` adds an output norm after attention and after the MLP;
 `residual_multiplier` scales each block's output before the residual add; `embedding_multiplier` scales the
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from scalarlm.training.families.spec import ModelArch
@@ -58,7 +60,23 @@ class ProjectionRMSNorm(nn.Module):
         return (self.weight.float() * h).type_as(x).view_as(x)
 
 
-def _offset_norm(arch: ModelArch, size: int, dtype: torch.dtype) -> FloatRMSNorm:
+class OffsetLayerNorm(nn.Module):
+    """LayerNorm with the zero-centred weight, `layer_norm(x) * (1 + w) + b`, in the input's dtype (HF's
+    NemotronLayerNorm1P)."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight + 1.0, self.bias, self.eps)
+
+
+def _offset_norm(arch: ModelArch, size: int, dtype: torch.dtype) -> nn.Module:
+    if arch.layer_norm:
+        return OffsetLayerNorm(size, arch.norm_eps, dtype)
     return FloatRMSNorm(size, arch.norm_eps, dtype, offset=True)
 
 
@@ -91,7 +109,7 @@ def apply_projection_qk_norms(model: nn.Module, arch: ModelArch, dtype: torch.dt
 
 
 def apply_offset_norms(model: nn.Module, arch: ModelArch, dtype: torch.dtype) -> None:
-    """Every RMSNorm (layers, q/k, final) becomes the zero-centred one."""
+    """Every norm (layers, q/k, final) becomes the zero-centred one."""
     for layer in model.decoder.layers:
         layer.input_layernorm = _offset_norm(arch, arch.hidden_size, dtype)
         layer.pre_mlp_layernorm = _offset_norm(arch, arch.hidden_size, dtype)

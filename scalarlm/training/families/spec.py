@@ -136,9 +136,11 @@ class ModelArch:
     llama3_rope: tuple[float, float, float, int] | None = None  # factor, low_freq_factor, high_freq_factor, orig_max
     rope_layers: tuple[bool, ...] = ()  # per layer: applies RoPE (empty = every layer)
     windows: tuple[int | None, ...] = ()  # per layer: sliding window as HF applies it (empty = none)
-    # of the gated MLP: "silu" (SwiGLU), "gelu_tanh" (GeGLU) or "quick_gelu" (x sigmoid(1.702 x), GPT-OSS's)
+    # of the MLP: "silu" (SwiGLU), "gelu_tanh" (GeGLU; StarCoder2's ungated GeLU), "quick_gelu" (x sigmoid(1.702 x),
+    # GPT-OSS's) or "squared_relu" (relu(x) ** 2, Arcee's ungated MLP)
     activation: str = "silu"
-    norm_offset: bool = False  # zero-centred RMSNorm: x_hat * (1 + w), computed in fp32 (Gemma)
+    # zero-centred norms: RMSNorm's x_hat * (1 + w), computed in fp32 (Gemma); with `layer_norm` LayerNorm's (Nemotron)
+    norm_offset: bool = False
     sandwich_norms: bool = False  # output norms after attention and after the MLP (Gemma 2/3, OLMo 2/3)
     input_norms: bool = True  # norms before attention and before the MLP (OLMo 2/3: none, output norms only)
     embedding_multiplier: float | None = None  # embeddings scaled by this (Gemma: sqrt(hidden_size))
@@ -261,6 +263,7 @@ class Family:
     fused_qkv: bool = False
     fused_gate_up: bool = False
     mlp_names: tuple[str, str, str] = MLP_NAMES
+    gated_mlp: bool = True  # False: one MLP input projection, `mlp_names`' fused one (StarCoder2's c_fc, Arcee's up)
     qkv_bias_from_weights: bool = False  # Qwen2: q/k/v carry biases (o_proj none), seen in the tensor names
     windows: Callable[[dict[str, Any], int], tuple[int | None, ...]] = field(default=lambda config, n: ())
     rope_layers: Callable[[dict[str, Any], int], tuple[bool, ...]] = field(default=lambda config, n: ())
@@ -285,9 +288,12 @@ class Family:
     @property
     def fused_lora_names(self) -> dict[str, tuple[str, ...]]:
         """HF modules this family holds in place of PEFT's usual names (`ALL_LINEAR`), and the names they stand for:
-        fused projections (Phi-3's qkv_proj, gate_up_proj) and renamed ones (Granite 4.0's output_linear)."""
+        fused projections (Phi-3's qkv_proj, gate_up_proj) and renamed ones (Granite 4.0's output_linear, StarCoder2's
+        c_fc and c_proj)."""
         _, fused, down = self.mlp_names
-        names = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), fused: ("gate_proj", "up_proj")}
+        names = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+        if fused != "up_proj":
+            names[fused] = ("gate_proj", "up_proj") if self.gated_mlp else ("up_proj",)
         return {**names, down: ("down_proj",)} if down != "down_proj" else names
 
 
@@ -421,7 +427,7 @@ def read_yarn(params: dict[str, Any], where: str, max_position_embeddings: int,
     return factor, beta_fast, beta_slow, original, float(attention), truncate
 
 
-ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu2": "squared_relu"}
 
 
 def _activation(config: dict[str, Any], family: Family) -> str:
@@ -495,6 +501,7 @@ def read_arch(config: dict[str, Any], tensor_names: Iterable[str], families: dic
         fused_qkv=family.fused_qkv,
         fused_gate_up=family.fused_gate_up,
         mlp_names=family.mlp_names,
+        gated_mlp=family.gated_mlp,
         rope_layers=family.rope_layers(config, layers),
         windows=family.windows(config, layers),
         activation=extra.pop("activation", activation),  # GPT-OSS: its experts' own, whatever hidden_act says
@@ -715,6 +722,7 @@ def lora_targets(family: Family, target_modules: Iterable[str]) -> list[str]:
     unservable, why = family.lora_unservable
     if requested == set(ALL_LINEAR):  # the default: every module an adapter of this family can be served on
         requested -= {part for fused in unservable for part in (fused, *fused_names.get(fused, ()))}
+        requested -= set() if family.gated_mlp else {"gate_proj"}  # an ungated MLP has none
     for fused in unservable:
         if named := sorted(requested & {fused, *fused_names.get(fused, ())}):
             raise InvalidRequest(f"lora_config.target_modules {named}: not supported for {family.name}: {why}",

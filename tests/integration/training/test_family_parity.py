@@ -6,7 +6,7 @@ names its parameters as the checkpoint does), on a random batch, on packed docum
 sequence (past the llama3 model's original context, far longer than Mistral's sliding window); a training step's
 per-token cross-entropy, computed at the loss positions only, equals HF's on the packed documents; the TP-gathered
 mcore -> HF export is bit-exact; in training mode both apply the same dropouts; the megatron LoRA forward equals PEFT
-with the same adapter weights. Each TP size runs all models in one process (or one mpirun), once per module.
+with the same adapter weights (on every family but the MoE ones, whose LoRA is refused). Each TP size runs all models in one process (or one mpirun), once per module.
 """
 
 from __future__ import annotations
@@ -122,8 +122,8 @@ def test_logits_match_hf(logits, model: str, tp: int) -> None:
 def test_lora_matches_peft(lora, family_models: dict[str, Path], model: str, tp: int) -> None:
     r = lora(tp)[model]
     assert r["tp"] == tp
-    if model_arch(family_models[model]).num_experts or model == "starcoder2":  # LoRA refused, by name: on MoE
-        assert "adapter_type 'lora' is not supported" in r["refused"], r  # layers and on an ungated MLP
+    if model_arch(family_models[model]).num_experts:  # LoRA refused, by name: on MoE layers
+        assert "adapter_type 'lora' is not supported" in r["refused"], r
         return
     tolerance = forward_tolerance(r["logit_scale"])  # fp32; Gemma's logits are ~3x larger than Llama's
     assert r["max_diff"] <= tolerance, r
@@ -134,3 +134,9 @@ def test_lora_matches_peft(lora, family_models: dict[str, Path], model: str, tp:
         assert r["target_modules"] == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # what vLLM loads
     if model == "granite4":  # Granite 4.0's MLP modules, under their own names (what vLLM loads and PEFT wraps)
         assert r["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "input_linear", "output_linear"], r
+    # An ungated MLP's one input projection and its down projection: StarCoder2's c_fc and c_proj, Arcee's up_proj
+    # and down_proj (the default targets' gate_proj has nothing to adapt there).
+    if model == "starcoder2":
+        assert r["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"], r
+    if model == "arcee":
+        assert r["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"], r

@@ -39,6 +39,7 @@ def _names_for(config: dict) -> list[str]:
                       num_heads=1, num_kv_heads=1, head_dim=1, ffn_hidden_size=1, norm_eps=0.0, rope_theta=0.0,
                       max_position_embeddings=1, tied_embeddings=tied, qk_layernorm=family.qk_layernorm,
                       fused_qkv=family.fused_qkv, fused_gate_up=family.fused_gate_up, mlp_names=family.mlp_names,
+                      gated_mlp=family.gated_mlp,
                       sandwich_norms=family.sandwich_norms, input_norms=family.input_norms,
                       qk_norm_over_projection=family.qk_norm_over_projection, norm_names=family.norm_names,
                       qkv_bias=family.qkv_bias_from_weights and bool(config.get("attention_bias") or
@@ -58,7 +59,7 @@ def test_registry_names_every_family_once() -> None:
                                             "gemma2", "gemma3", "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral",
                                             "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
                                             "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4",
-                                            "granitemoe", "gpt_oss", "seed_oss", "starcoder2"}
+                                            "granitemoe", "gpt_oss", "seed_oss", "starcoder2", "arcee", "nemotron"}
     assert all(FAMILIES[a] is f for f in FAMILY_LIST for a in f.architectures)
 
 
@@ -259,8 +260,59 @@ def test_starcoder2_reads_layer_norms_an_ungated_mlp_biases_windows_and_dropouts
             "model.layers.0.self_attn.o_proj.bias"} <= names and not any("gate" in n for n in names)  # fmt: skip
     with pytest.raises(InvalidRequest, match="hidden_act 'gelu' is not supported for starcoder2"):
         arch_of("Starcoder2ForCausalLM", **{**STARCODER2, "hidden_act": "gelu"})
-    with pytest.raises(InvalidRequest, match="adapter_type 'lora' is not supported for starcoder2: LoRA on StarCoder2"):
-        lora_targets(FAMILIES["Starcoder2ForCausalLM"], ALL_LINEAR)
+
+
+def test_an_ungated_mlp_takes_lora_on_its_own_two_projections() -> None:
+    # PEFT's names for StarCoder2's (c_fc, c_proj) and Arcee's (up_proj, down_proj) MLP; the default targets' gate_proj
+    # has nothing to adapt there and is left out, naming it is refused
+    starcoder2, arcee = BY_NAME["starcoder2"], BY_NAME["arcee"]
+    attn = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert lora_targets(starcoder2, ALL_LINEAR) == [*attn, "c_fc", "c_proj"]
+    assert lora_targets(starcoder2, ["up_proj", "down_proj"]) == ["c_fc", "c_proj"]
+    assert lora_targets(starcoder2, ["c_fc", "q_proj"]) == ["q_proj", "c_fc"]
+    assert lora_targets(arcee, ALL_LINEAR) == [*attn, "up_proj", "down_proj"]
+    assert lora_targets(arcee, ["up_proj"]) == ["up_proj"]
+    for family in (starcoder2, arcee):
+        with pytest.raises(InvalidRequest, match=rf"\['gate_proj'\] not supported for {family.name}; choose from"):
+            lora_targets(family, ["gate_proj", "up_proj"])
+
+
+# AFM-4.5B's fields as its hub config writes them (transformers 4.x: `rope_scaling`, `rope_theta`).
+ARCEE = {"hidden_act": "relu2", "rope_theta": 10000.0, "head_dim": 128, "attention_bias": False, "mlp_bias": False,
+         "rope_scaling": {"rope_type": "yarn", "factor": 20.0, "original_max_position_embeddings": 4096,
+                          "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0}}  # fmt: skip
+
+
+def test_arcee_reads_an_ungated_relu_squared_mlp_and_yarn() -> None:
+    arch = arch_of("ArceeForCausalLM", **ARCEE)
+    assert arch.family == "arcee" and not arch.gated_mlp and arch.activation == "squared_relu"
+    assert not (arch.layer_norm or arch.linear_bias or arch.qkv_bias) and arch.yarn_rope[:4] == (20.0, 32.0, 1.0, 4096)
+    names = set(hf_tensor_names(arch))
+    assert {"model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.down_proj.weight"} <= names
+    assert not any("gate" in n for n in names)
+    with pytest.raises(InvalidRequest, match="hidden_act 'silu' is not supported for arcee"):
+        arch_of("ArceeForCausalLM", **{**ARCEE, "hidden_act": "silu"})
+    with pytest.raises(InvalidRequest, match="mlp_bias=true"):
+        arch_of("ArceeForCausalLM", **{**ARCEE, "mlp_bias": True})
+
+
+# Minitron-8B-Base's fields as its hub config writes them (transformers 4.x: `partial_rotary_factor`, `rope_theta` at
+# the top level).
+NEMOTRON = {"hidden_act": "relu2", "norm_eps": 1e-5, "partial_rotary_factor": 0.5, "rope_theta": 10000,
+            "head_dim": 128, "attention_bias": False, "mlp_bias": False}  # fmt: skip
+
+
+def test_nemotron_reads_zero_centred_layer_norms_half_rope_and_an_ungated_mlp() -> None:
+    arch = arch_of("NemotronForCausalLM", **NEMOTRON)
+    assert arch.family == "nemotron" and arch.layer_norm and arch.norm_offset and not arch.gated_mlp
+    assert (arch.activation, arch.rotary_fraction, arch.norm_eps, arch.linear_bias) == ("squared_relu", 0.5, 1e-5, False)
+    assert arch_of("NemotronForCausalLM", **{k: v for k, v in NEMOTRON.items()
+                                             if k != "partial_rotary_factor"}).rotary_fraction == 0.5  # as transformers
+    names = set(hf_tensor_names(arch))
+    assert {"model.layers.0.input_layernorm.bias", "model.norm.bias", "model.layers.1.mlp.up_proj.weight"} <= names
+    assert not any("gate" in n for n in names)
+    assert lora_targets(BY_NAME["nemotron"], ALL_LINEAR) == ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj",
+                                                            "down_proj"]  # fmt: skip
 
 
 def test_phi3_trains_with_its_residual_dropout_as_transformers_applies_it() -> None:
