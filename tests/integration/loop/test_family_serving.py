@@ -1,12 +1,13 @@
 """Each new family through the whole loop: a real `scalarlm serve` (vLLM worker, local megatron trainer) per family.
 
-An SFT job (full weights, then LoRA) publishes a checkpoint that opens in `transformers` (PEFT for the adapter); the
-served greedy answer for the job, after the hot swap, equals `transformers` greedy on that checkpoint. One GRPO step
+Two SFT jobs (full weights and LoRA, training side by side) publish checkpoints that open in `transformers` (PEFT
+for the adapter); the served greedy answer for each job, after the hot swap, equals `transformers` greedy on that
+checkpoint, and so does each chosen token's logprob. One GRPO step
 trains and publishes for qwen3 and the MoE families (GRPO_FAMILIES): the rest of the dense families' GRPO path is
 their SFT forward (a token's logprob is minus its cross-entropy), which their SFT jobs here and test_family_parity
 check, and the loss itself is family-blind (tests/unit/training/test_grpo.py, test_grpo_padding_free). One
 module-scoped server per family (the next family's boots while this one's tests run), a few steps per job.
-Mixture-of-experts families (MOE) and StarCoder2 (NO_LORA) train full weights only and are served after the same hot
+Mixture-of-experts families (MOE) train full weights only and are served after the same hot
 swap; their LoRA job is refused at submission with a 400 naming adapter_type; the MoE families' GRPO job takes two
 steps per batch with routing replay off and on, and reports the changed-routing fraction.
 """
@@ -27,11 +28,10 @@ pytestmark = pytest.mark.slow
 FAMILIES = ["qwen3", "qwen3-yarn", "llama3", "phi3", "phi4-mini", "smollm3", "mistral", "gemma", "gemma2", "gemma3",
             "olmo2", "olmo3", "exaone4", "ernie4.5", "granite", "granite4", "glm", "glm4", "qwen3-moe", "qwen2-moe",
             "mixtral", "glm4-moe", "deepseek-v3", "moonlight", "deepseek-v2-lite", "olmoe", "granite-moe",
-            "gpt-oss", "seed-oss", "starcoder2"]  # fmt: skip
+            "gpt-oss", "seed-oss", "starcoder2", "arcee", "nemotron"]  # fmt: skip
 # LoRA refused (no MoE adapter rule yet)
 MOE = {"qwen3-moe", "qwen2-moe", "mixtral", "glm4-moe", "deepseek-v3", "moonlight", "deepseek-v2-lite", "olmoe",
        "granite-moe", "gpt-oss"}  # fmt: skip
-NO_LORA = {*MOE, "starcoder2"}  # and StarCoder2 (no LoRA rule for its ungated MLP yet)
 GRPO_FAMILIES = {"qwen3", *MOE}
 PROMPTS = ["What is the capital of France?", "What do bees make?", "What colour is the sky?"]
 FACTS = [{"input": p, "output": o} for p, o in zip(PROMPTS, [" Paris", " honey", " blue"])]
@@ -84,8 +84,9 @@ def _no_server_left_booting(serve_steps: Any) -> Iterator[None]:
         serve_steps.stop(launch)
 
 
-def _hf_greedy(base: Path, checkpoint: Path) -> list[str]:
-    """`transformers` greedy completions on the published checkpoint (PEFT over the base for an adapter)."""
+def _hf_greedy(base: Path, checkpoint: Path) -> tuple[list[str], list[list[float]]]:
+    """`transformers` greedy completions on the published checkpoint (PEFT over the base for an adapter), and each
+    chosen token's logprob."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -99,57 +100,77 @@ def _hf_greedy(base: Path, checkpoint: Path) -> list[str]:
         model = PeftModel.from_pretrained(model, checkpoint)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    answers = []
+    answers, logprobs = [], []
     for prompt in PROMPTS:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=TOKENS, do_sample=False)
-        answers.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
-    return answers
+            out = model.generate(ids, max_new_tokens=TOKENS, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)  # fmt: skip
+        chosen = out.sequences[0, ids.shape[1] :]
+        answers.append(tokenizer.decode(chosen, skip_special_tokens=True))
+        steps = torch.log_softmax(torch.cat(out.logits).double(), -1)
+        logprobs.append(steps.gather(1, chosen[:, None])[:, 0].tolist())
+    return answers, logprobs
 
 
-def _train_and_compare(url: str, base: Path, adapter_type: str) -> None:
+@pytest.fixture(scope="module")
+def sft_jobs(family_server: tuple[str, str, Path]) -> dict[str, Any]:
+    """The family's SFT jobs, full weights and (but for MOE) LoRA, submitted together when the module's first test
+    starts: they train side by side while the base model is checked."""
+    family, url, _ = family_server
     llm = scalarlm.ScalarLM(api_url=url, timeout=600)
-    job = llm.train(FACTS, train_args={**TRAIN, "adapter_type": adapter_type})
+    kinds = ["full"] if family in MOE else ["full", "lora"]
+    return {kind: llm.train(FACTS, train_args={**TRAIN, "adapter_type": kind}) for kind in kinds}
+
+
+def _served_like_transformers(url: str, base: Path, job: Any) -> None:
+    """The job's last checkpoint, served after the hot swap: greedy answers = transformers', and so is each chosen
+    token's logprob (which compares the distributions even where a briefly trained model's answer is its EOS)."""
+    llm = scalarlm.ScalarLM(api_url=url, timeout=600)
     assert job.wait(timeout=900).status == "COMPLETED", job.info()
     info = job.info()
     step = info.checkpoints[-1]
     checkpoint = Path(info.job_status["job_directory"]) / "checkpoints" / f"step-{step}"
-    results = llm.generate(PROMPTS, model_name=job.id, max_tokens=TOKENS, temperature=0, return_details=True)
+    results = llm.generate(PROMPTS, model_name=job.id, max_tokens=TOKENS, temperature=0, return_details=True,
+                           logprobs=0)  # fmt: skip
     assert [(r.model, r.version) for r in results] == [(job.id, step)] * len(PROMPTS)
-    expected = _hf_greedy(base, checkpoint)
-    assert [r.response for r in results] == expected
-    assert any(answer.strip() for answer in expected)  # a real comparison, not empty strings
+    answers, logprobs = _hf_greedy(base, checkpoint)
+    assert [r.response for r in results] == answers
+    for result, expected in zip(results, logprobs, strict=True):
+        assert result.logprobs == pytest.approx(expected, abs=1e-3), (result.logprobs, expected)
+    assert min(map(len, logprobs)) >= 1
 
 
-def test_the_base_model_is_served_like_transformers(family_server: tuple[str, str, Path]) -> None:
+def test_the_base_model_is_served_like_transformers(family_server: tuple[str, str, Path],
+                                                    sft_jobs: dict[str, Any]) -> None:  # fmt: skip
     """The untrained random base (whose greedy tokens move with any error, unlike a trained model's peaked answers):
     e.g. vLLM's CPU rotary kernel mis-rotates MLA queries (deepseek-v3's yarn takes another path; moonlight's plain
-    RoPE shows it: `engine.cpu_rotary_args`)."""
+    RoPE shows it: `engine.cpu_rotary_args`). (The family's SFT jobs train meanwhile.)"""
     _, url, base = family_server
     llm = scalarlm.ScalarLM(api_url=url, timeout=600)
     results = llm.generate(PROMPTS, max_tokens=TOKENS, temperature=0, return_details=True)
     # a random model's last token may end inside a UTF-8 character: transformers decodes it as U+FFFD, vLLM's
     # incremental detokenizer holds the incomplete bytes back
-    expected = [answer.rstrip("\ufffd") for answer in _hf_greedy(base, base)]
+    expected = [answer.rstrip("\ufffd") for answer in _hf_greedy(base, base)[0]]
     assert [r.response.rstrip("\ufffd") for r in results] == expected
     assert any(answer.strip() for answer in expected)
 
 
 @pytest.mark.parametrize("adapter_type", ["full", "lora"])
-def test_sft_job_is_served_like_transformers(family_server: tuple[str, str, Path], adapter_type: str) -> None:
+def test_sft_job_is_served_like_transformers(family_server: tuple[str, str, Path], sft_jobs: dict[str, Any],
+                                             adapter_type: str) -> None:  # fmt: skip
     family, url, base = family_server
-    if family in NO_LORA and adapter_type == "lora":
+    if family in MOE and adapter_type == "lora":
         from scalarlm.protocol.errors import InvalidRequest
 
         llm = scalarlm.ScalarLM(api_url=url, timeout=600)
         refused = ("adapter_type 'lora' is not supported for "
-                   "(qwen[23]_moe|mixtral|glm4_moe|deepseek_v[23]|olmoe|granitemoe|gpt_oss|starcoder2)")
+                   "(qwen[23]_moe|mixtral|glm4_moe|deepseek_v[23]|olmoe|granitemoe|gpt_oss)")
         with pytest.raises(InvalidRequest, match=refused) as e:
             llm.train(FACTS, train_args={**TRAIN, "adapter_type": "lora"})
         assert e.value.param == "train_args"
         return
-    _train_and_compare(url, base, adapter_type)
+    _served_like_transformers(url, base, sft_jobs[adapter_type])
 
 
 def test_one_grpo_step_trains_and_publishes(family_server: tuple[str, str, Path]) -> None:
@@ -163,12 +184,12 @@ def test_one_grpo_step_trains_and_publishes(family_server: tuple[str, str, Path]
         assert job.wait(timeout=900).status == "COMPLETED", job.info()
         assert job.info().checkpoints == [1]
         return
-    # MoE: two steps over the batch (num_iterations 2), routing replay off and on; the second step reports how many
-    # tokens' experts changed since the first, through the API's metrics.
-    for replay in (False, True):
-        job = llm.train(rows, train_args={**TRAIN, "max_steps": 2, "steps_per_checkpoint": 2, "loss": "grpo",
-                                          "batch_size": 1, "adapter_type": "full", "num_iterations": 2,
-                                          "routing_replay": replay})  # fmt: skip
+    # MoE: two steps over the batch (num_iterations 2), routing replay off and on (the two jobs train side by side);
+    # the second step reports how many tokens' experts changed since the first, through the API's metrics.
+    jobs = [llm.train(rows, train_args={**TRAIN, "max_steps": 2, "steps_per_checkpoint": 2, "loss": "grpo",
+                                        "batch_size": 1, "adapter_type": "full", "num_iterations": 2,
+                                        "routing_replay": replay}) for replay in (False, True)]  # fmt: skip
+    for job in jobs:
         assert job.wait(timeout=900).status == "COMPLETED", job.info()
         assert job.info().checkpoints == [2]
         first, second = job.metrics()
