@@ -23,11 +23,11 @@ logger = logging.getLogger(__name__)
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3", "olmo2",
             "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
             "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4", "granitemoe", "gpt_oss",
-            "seed_oss", "starcoder2", "arcee", "nemotron")  # fmt: skip
+            "seed_oss", "starcoder2", "arcee", "nemotron", "apertus")  # fmt: skip
 Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3",
                  "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe",
                  "deepseek_v3", "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4", "granitemoe",
-                 "gpt_oss", "seed_oss", "starcoder2", "arcee", "nemotron"]  # fmt: skip
+                 "gpt_oss", "seed_oss", "starcoder2", "arcee", "nemotron", "apertus"]  # fmt: skip
 # Mixture-of-experts tiny models: 4 experts, 2 per token, each expert's intermediate size hidden / 2.
 TINY_EXPERTS, TINY_TOPK = 4, 2
 # Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3, Gemma).
@@ -255,6 +255,13 @@ def _family_config(
         yarn = {**YARN_ROPE, "rope_theta": 10000.0, "factor": 20.0}
         return transformers.ArceeConfig(head_dim=head_dim, hidden_act="relu2", attention_bias=False, mlp_bias=False,
                                         rope_parameters=yarn, **common)  # fmt: skip
+    if family == "apertus":
+        # Apertus-8B's fields: GQA, q/k norms, an ungated xIELU MLP, `llama3` RoPE (its original context scaled down as
+        # the llama3 tiny model's), untied embeddings.
+        rope = {"rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": max(64, max_position // 8)}  # fmt: skip
+        return transformers.ApertusConfig(head_dim=head_dim, hidden_act="xielu", attention_bias=False, mlp_bias=False,
+                                          rope_parameters=rope, **common)  # fmt: skip
     if family == "nemotron":
         # Minitron-8B's fields: GQA, RoPE on the leading half of each head, LayerNorm1P (zero-centred weight, a bias),
         # an ungated ReLU-squared MLP, no biases, untied embeddings.
@@ -382,6 +389,8 @@ def _randomize(model, seed: int) -> None:
             if "norm" in name:
                 # Non-unit norm weights make a wrong converter mapping show up in logits.
                 param.copy_(1.0 + 0.1 * noise)
+            elif name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # xIELU's trained scalars: each layer its own
+                param.copy_(noise)
             elif name.endswith(".sinks"):  # GPT-OSS's sink logits: as large as the attention scores, or larger
                 param.copy_(noise)
             elif name.endswith("gate_up_proj_bias"):  # GPT-OSS: some gate and up inputs past its clamp at +-7
@@ -515,6 +524,7 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
     "starcoder2": dict(family="starcoder2", hidden=256, heads=4, kv_heads=2, seed=35),
     "arcee": dict(family="arcee", hidden=256, heads=4, kv_heads=2, seed=36),
     "nemotron": dict(family="nemotron", hidden=256, heads=4, kv_heads=2, seed=37),
+    "apertus": dict(family="apertus", hidden=256, heads=4, kv_heads=2, seed=38),
     "glm": dict(family="glm", hidden=256, heads=4, kv_heads=2, seed=20),
     "glm4": dict(family="glm4", hidden=256, heads=4, kv_heads=2, seed=19),
 }

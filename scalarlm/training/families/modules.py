@@ -2,14 +2,14 @@
 
 Each is driven by one `ModelArch` field, never by the model type (Gemma 2/3, OLMo 2/3, Granite, Phi need them today):
 `norm_offset` swaps every norm for the zero-centred one: RMSNorm's `x_hat * (1 + w)` computed in fp32, or with
-`layer_norm` LayerNorm's (Nemotron's LayerNorm1P); `input_norms` False
-removes the norms before attention and the MLP; `qk_norm_over_projection` normalises q and k over every head at once
-(summing the squares over TP); `sandwich_norms` adds an output norm after attention and after the MLP;
-`residual_multiplier` scales each block's output before the residual add; `embedding_multiplier` scales the
-embeddings; `logits_divisor` divides the output logits; `local_rope_theta` gives the sliding-window layers their own
-RoPE base; `longrope` scales q and k's rotated dims by its attention factor; `final_logit_softcap` soft-caps the
-logits. Parameter names stay megatron's (plus `self_attention.post_norm` / `mlp.post_norm`), so the converter's rules
-name them.
+`layer_norm` LayerNorm's (Nemotron's LayerNorm1P); `input_norms` False removes the norms before attention and the
+MLP; `qk_norm_over_projection` normalises q and k over every head at once (summing the squares over TP); `activation`
+"xielu" gives each MLP its own learned activation (Apertus); `sandwich_norms` adds an output norm after attention and
+after the MLP; `residual_multiplier` scales each block's output before the residual add; `embedding_multiplier` scales
+the embeddings; `logits_divisor` divides the output logits; `local_rope_theta` gives the sliding-window layers their
+own RoPE base; `longrope` scales q and k's rotated dims by its attention factor; `final_logit_softcap` soft-caps the
+logits. Parameter names stay megatron's (plus `self_attention.post_norm` / `mlp.post_norm`,
+`mlp.activation_func.*`), so the converter's rules name them.
 """
 
 from __future__ import annotations
@@ -72,6 +72,36 @@ class OffsetLayerNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return F.layer_norm(x, self.weight.shape, self.weight + 1.0, self.bias, self.eps)
+
+
+class XIELU(nn.Module):
+    """Apertus's activation (HF's XIELUActivation): `alpha_p x^2 + beta x` for x > 0, else
+    `(expm1(min(x, eps)) - x) alpha_n + beta x`, with alpha_p = softplus(a_p) and alpha_n = beta + softplus(a_n) from
+    the layer's trained scalars; beta and eps are fixed (frozen parameters, so the converter carries them). At TP > 1
+    each rank applies it to its slice of the MLP's features: the scalars enter through megatron's copy-to-TP-region,
+    whose backward sums their gradients over TP."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.alpha_p = nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.alpha_n = nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.beta = nn.Parameter(torch.zeros((), dtype=dtype), requires_grad=False)
+        self.eps = nn.Parameter(torch.zeros((), dtype=dtype), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+        alpha_p = F.softplus(copy_to_tensor_model_parallel_region(self.alpha_p))
+        alpha_n = self.beta + F.softplus(copy_to_tensor_model_parallel_region(self.alpha_n))
+        negative = (torch.expm1(torch.min(x, self.eps)) - x) * alpha_n + self.beta * x
+        return torch.where(x > 0, alpha_p * x * x + self.beta * x, negative)
+
+
+def apply_xielu(model: nn.Module, dtype: torch.dtype) -> None:
+    """Each layer's MLP activation becomes its own `XIELU` (megatron's MLP calls `activation_func` on an ungated
+    MLP's features)."""
+    for layer in model.decoder.layers:
+        layer.mlp.activation_func = XIELU(dtype)
 
 
 def _offset_norm(arch: ModelArch, size: int, dtype: torch.dtype) -> nn.Module:
@@ -227,6 +257,8 @@ def adapt(model: nn.Module, arch: ModelArch, dtype: torch.dtype, rope_angles) ->
         apply_projection_qk_norms(model, arch, dtype)
     if arch.norm_offset:
         apply_offset_norms(model, arch, dtype)
+    if arch.activation == "xielu":
+        apply_xielu(model, dtype)
     if arch.sandwich_norms:
         apply_sandwich_norms(model, arch, dtype)
     if arch.residual_multiplier is not None:

@@ -78,6 +78,7 @@ def entry_view(name: str) -> str:
 
 
 SANDWICH_NORM_NAMES = ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+INPUT_NORM_NAMES = ("input_layernorm", "post_attention_layernorm")  # Apertus: attention_ / feedforward_layernorm
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,8 @@ class ModelArch:
     rope_layers: tuple[bool, ...] = ()  # per layer: applies RoPE (empty = every layer)
     windows: tuple[int | None, ...] = ()  # per layer: sliding window as HF applies it (empty = none)
     # of the MLP: "silu" (SwiGLU), "gelu_tanh" (GeGLU; StarCoder2's ungated GeLU), "quick_gelu" (x sigmoid(1.702 x),
-    # GPT-OSS's) or "squared_relu" (relu(x) ** 2, Arcee's ungated MLP)
+    # GPT-OSS's), "squared_relu" (relu(x) ** 2, Arcee's ungated MLP) or "xielu" (Apertus's, with learned scalars per
+    # layer: `modules.XIELU`)
     activation: str = "silu"
     # zero-centred norms: RMSNorm's x_hat * (1 + w), computed in fp32 (Gemma); with `layer_norm` LayerNorm's (Nemotron)
     norm_offset: bool = False
@@ -159,6 +161,7 @@ class ModelArch:
     mla: LatentAttention | None = None  # multi-latent attention in place of grouped-query attention (head_dim: q's)
     # HF names of the `sandwich_norms`: attention's output norm, the pre-MLP norm, the MLP's output norm.
     norm_names: tuple[str, str, str] = SANDWICH_NORM_NAMES
+    input_norm_names: tuple[str, str] = INPUT_NORM_NAMES  # HF names of the norms before attention and the MLP
     attn_logit_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
     final_logit_softcap: float | None = None  # output logits -> cap * tanh(logits / cap) (Gemma 2)
     residual_multiplier: float | None = None  # attention and MLP outputs scaled by it before the residual add (Granite)
@@ -258,6 +261,7 @@ class Family:
     partial_rotary: float | None = None
     rotary_interleaved: bool = False
     norm_names: tuple[str, str, str] = SANDWICH_NORM_NAMES
+    input_norm_names: tuple[str, str] = INPUT_NORM_NAMES
     qk_layernorm: bool = False
     qk_norm_over_projection: bool = False
     fused_qkv: bool = False
@@ -427,7 +431,7 @@ def read_yarn(params: dict[str, Any], where: str, max_position_embeddings: int,
     return factor, beta_fast, beta_slow, original, float(attention), truncate
 
 
-ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu2": "squared_relu"}
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu2": "squared_relu", "xielu": "xielu"}
 
 
 def _activation(config: dict[str, Any], family: Family) -> str:
@@ -509,6 +513,7 @@ def read_arch(config: dict[str, Any], tensor_names: Iterable[str], families: dic
         input_norms=family.input_norms,
         rotary_interleaved=family.rotary_interleaved,
         norm_names=family.norm_names,
+        input_norm_names=family.input_norm_names,
         **rope,
         **extra,
     )
@@ -527,8 +532,9 @@ def rules(arch: ModelArch) -> Iterator[Rule]:
         hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
         attn, mlp = hf + "self_attn.", f"{hf}{arch.mlp_names[0]}."
         qkv, fc1, fc2 = hf_projections(arch.fused_qkv, arch.fused_gate_up, arch.mlp_names)
+        pre_attention, pre_mlp_norm = arch.input_norm_names
         if arch.input_norms:
-            yield from _norm_rules(arch, mc + "input_layernorm", hf + "input_layernorm")
+            yield from _norm_rules(arch, mc + "input_layernorm", hf + pre_attention)
         if arch.mla:
             yield from _latent_attention_rules(arch.mla, attn, mc + "self_attention.")
         else:
@@ -551,13 +557,16 @@ def rules(arch: ModelArch) -> Iterator[Rule]:
                 yield Rule(mc + "pre_mlp_layernorm.weight", (f"{hf}{pre_mlp}.weight",), "replicated")
             yield Rule(mc + "mlp.post_norm.weight", (f"{hf}{mlp_out}.weight",), "replicated")
         else:
-            yield from _norm_rules(arch, mc + "pre_mlp_layernorm", hf + "post_attention_layernorm")
+            yield from _norm_rules(arch, mc + "pre_mlp_layernorm", hf + pre_mlp_norm)
         if arch.is_moe(i):
             yield from _expert_rules(arch, hf, mc)
         else:
             up = "fc1" if arch.gated_mlp else "dim0"  # a [gate; up] pair is split per TP rank as two halves
             yield Rule(mc + "mlp.linear_fc1.weight", tuple(f"{mlp}{p}.weight" for p in fc1), up)
             yield Rule(mc + "mlp.linear_fc2.weight", (f"{mlp}{fc2}.weight",), "dim1")
+            if arch.activation == "xielu":  # its learned scalars (alpha_p, alpha_n) and fixed ones (beta, eps)
+                for p in ("alpha_p", "alpha_n", "beta", "eps"):
+                    yield Rule(f"{mc}mlp.activation_func.{p}", (f"{mlp}act_fn.{p}",), "replicated")
             if arch.linear_bias:
                 yield Rule(mc + "mlp.linear_fc1.bias", tuple(f"{mlp}{p}.bias" for p in fc1), up)
                 yield Rule(mc + "mlp.linear_fc2.bias", (f"{mlp}{fc2}.bias",), "replicated")

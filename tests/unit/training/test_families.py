@@ -13,7 +13,7 @@ import pytest
 from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.protocol.training import ALL_LINEAR
 from scalarlm.training.families import BY_NAME, FAMILIES, FAMILY_LIST, hf_tensor_names, read_arch
-from scalarlm.training.families.spec import ModelArch, lora_targets, rules
+from scalarlm.training.families.spec import ACTIVATIONS, ModelArch, lora_targets, rules
 
 BASE = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 256, "num_hidden_layers": 2,
@@ -39,7 +39,8 @@ def _names_for(config: dict) -> list[str]:
                       num_heads=1, num_kv_heads=1, head_dim=1, ffn_hidden_size=1, norm_eps=0.0, rope_theta=0.0,
                       max_position_embeddings=1, tied_embeddings=tied, qk_layernorm=family.qk_layernorm,
                       fused_qkv=family.fused_qkv, fused_gate_up=family.fused_gate_up, mlp_names=family.mlp_names,
-                      gated_mlp=family.gated_mlp,
+                      gated_mlp=family.gated_mlp, input_norm_names=family.input_norm_names,
+                      activation=ACTIVATIONS.get(config.get("hidden_act"), "silu"),  # Apertus: xIELU's scalars
                       sandwich_norms=family.sandwich_norms, input_norms=family.input_norms,
                       qk_norm_over_projection=family.qk_norm_over_projection, norm_names=family.norm_names,
                       qkv_bias=family.qkv_bias_from_weights and bool(config.get("attention_bias") or
@@ -59,7 +60,8 @@ def test_registry_names_every_family_once() -> None:
                                             "gemma2", "gemma3", "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral",
                                             "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
                                             "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4",
-                                            "granitemoe", "gpt_oss", "seed_oss", "starcoder2", "arcee", "nemotron"}
+                                            "granitemoe", "gpt_oss", "seed_oss", "starcoder2", "arcee", "nemotron",
+                                            "apertus"}
     assert all(FAMILIES[a] is f for f in FAMILY_LIST for a in f.architectures)
 
 
@@ -313,6 +315,27 @@ def test_nemotron_reads_zero_centred_layer_norms_half_rope_and_an_ungated_mlp() 
     assert not any("gate" in n for n in names)
     assert lora_targets(BY_NAME["nemotron"], ALL_LINEAR) == ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj",
                                                             "down_proj"]  # fmt: skip
+
+
+# Apertus-8B's fields as its hub config writes them (transformers 4.56: `rope_scaling`, `rope_theta`).
+APERTUS = {"hidden_act": "xielu", "rms_norm_eps": 1e-5, "rope_theta": 12000000, "tie_word_embeddings": False,
+           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192}}  # fmt: skip
+
+
+def test_apertus_reads_qk_norms_its_norm_names_and_the_xielu_scalars() -> None:
+    arch = arch_of("ApertusForCausalLM", **APERTUS)
+    assert arch.family == "apertus" and arch.qk_layernorm and not arch.gated_mlp and arch.activation == "xielu"
+    assert arch.llama3_rope == (8.0, 1.0, 4.0, 8192) and arch.rope_theta == 12000000
+    names = set(hf_tensor_names(arch))
+    assert {"model.layers.0.attention_layernorm.weight", "model.layers.0.feedforward_layernorm.weight",
+            "model.layers.1.self_attn.q_norm.weight", "model.layers.1.mlp.act_fn.alpha_p",
+            "model.layers.1.mlp.act_fn.alpha_n", "model.layers.1.mlp.act_fn.beta",
+            "model.layers.1.mlp.act_fn.eps"} <= names  # fmt: skip
+    assert not any("input_layernorm" in n or "post_attention_layernorm" in n or "gate" in n for n in names)
+    no_rope = {k: v for k, v in APERTUS.items() if not k.startswith("rope")}
+    with pytest.raises(InvalidRequest, match="apertus config without its RoPE"):
+        arch_of("ApertusForCausalLM", **no_rope)
 
 
 def test_phi3_trains_with_its_residual_dropout_as_transformers_applies_it() -> None:
