@@ -23,16 +23,16 @@ logger = logging.getLogger(__name__)
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3", "olmo2",
             "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
             "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4", "granitemoe", "gpt_oss",
-            "seed_oss", "starcoder2", "arcee", "nemotron", "apertus")  # fmt: skip
+            "seed_oss", "starcoder2", "arcee", "nemotron", "apertus", "hunyuan")  # fmt: skip
 Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3",
                  "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe",
                  "deepseek_v3", "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4", "granitemoe",
-                 "gpt_oss", "seed_oss", "starcoder2", "arcee", "nemotron", "apertus"]  # fmt: skip
+                 "gpt_oss", "seed_oss", "starcoder2", "arcee", "nemotron", "apertus", "hunyuan"]  # fmt: skip
 # Mixture-of-experts tiny models: 4 experts, 2 per token, each expert's intermediate size hidden / 2.
 TINY_EXPERTS, TINY_TOPK = 4, 2
 # Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3, Gemma).
 TIED_BY_DEFAULT = frozenset({"qwen3", "llama3", "smollm3", "gemma", "gemma2", "gemma3", "granite", "ernie4_5",
-                             "granite4", "granitemoe", "starcoder2"})  # fmt: skip
+                             "granite4", "granitemoe", "starcoder2", "hunyuan"})  # fmt: skip
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<unk>"]
 # vLLM's CPU attention kernels support only these head sizes.
@@ -255,6 +255,12 @@ def _family_config(
         yarn = {**YARN_ROPE, "rope_theta": 10000.0, "factor": 20.0}
         return transformers.ArceeConfig(head_dim=head_dim, hidden_act="relu2", attention_bias=False, mlp_bias=False,
                                         rope_parameters=yarn, **common)  # fmt: skip
+    if family == "hunyuan":
+        # Hunyuan-7B-Instruct's fields: GQA, per-head q/k norms after RoPE, `dynamic` RoPE with its NTK alpha 1000,
+        # tied embeddings.
+        rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 1.0, "alpha": 1000.0}
+        return transformers.HunYuanDenseV1Config(head_dim=head_dim, attention_bias=False, rope_parameters=rope,
+                                                 **common)  # fmt: skip
     if family == "apertus":
         # Apertus-8B's fields: GQA, q/k norms, an ungated xIELU MLP, `llama3` RoPE (its original context scaled down as
         # the llama3 tiny model's), untied embeddings.
@@ -525,6 +531,7 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
     "arcee": dict(family="arcee", hidden=256, heads=4, kv_heads=2, seed=36),
     "nemotron": dict(family="nemotron", hidden=256, heads=4, kv_heads=2, seed=37),
     "apertus": dict(family="apertus", hidden=256, heads=4, kv_heads=2, seed=38),
+    "hunyuan": dict(family="hunyuan", hidden=256, heads=4, kv_heads=2, seed=39),
     "glm": dict(family="glm", hidden=256, heads=4, kv_heads=2, seed=20),
     "glm4": dict(family="glm4", hidden=256, heads=4, kv_heads=2, seed=19),
 }

@@ -14,7 +14,7 @@ from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.protocol.training import TrainArgs
 from scalarlm.training.families import check_moe_training, check_tensor_parallel, expert_rank, family_of, read_arch
 from scalarlm.training.families.checkpoint import read_config, tensor_names
-from scalarlm.training.families.spec import lora_targets
+from scalarlm.training.families.spec import check_positions, lora_targets
 
 
 def check_base_model(base_model: str, args: TrainArgs) -> None:
@@ -30,6 +30,7 @@ def check_base_model(base_model: str, args: TrainArgs) -> None:
     except InvalidRequest as e:
         raise InvalidRequest(f"base model {path.name}: {e.message}", param=e.param or "model") from None
     check_tensor_parallel(arch, args.tensor_parallel_size)
+    check_positions(arch, args.max_seq_len)
     expert_rank(arch, 0, args.expert_parallel_size)
     check_moe_training(arch, args.moe_aux_loss_coef, args.routing_replay)
     if args.adapter_type == "lora":

@@ -239,6 +239,7 @@ def _sdpa_attention_class(arch: ModelArch):
 
         def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs) -> None:
             super().__init__(*args, **kwargs)  # MLA names its q/k and v head sizes: SDPA reads them off the tensors
+            self.q_layernorm = self.k_layernorm = None  # after RoPE (HunYuan): `modules.apply_qk_norms_after_rope`
             if arch.attention_sinks:  # megatron's learnable softmax offset (its own allocates it on CUDA)
                 self.softmax_offset = torch.nn.Parameter(torch.empty(self.num_attention_heads_per_partition,
                                                                      dtype=self.config.params_dtype))  # fmt: skip
@@ -247,6 +248,8 @@ def _sdpa_attention_class(arch: ModelArch):
                     packed_seq_params=None):  # fmt: skip
             if attention_bias is not None:
                 raise NotImplementedError("attention_bias is not supported")
+            if self.q_layernorm is not None:
+                query, key = self.q_layernorm(query), self.k_layernorm(key)
             groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
             if groups > 1:
                 key = key.repeat_interleave(groups, dim=2)

@@ -21,6 +21,7 @@ from scalarlm.training.families.glm import GLM, GLM4
 from scalarlm.training.families.gpt_oss import GPT_OSS
 from scalarlm.training.families.granite import GRANITE, GRANITE4, GRANITE_MOE
 from scalarlm.training.families.granite import REFUSED as _GRANITE_REFUSED
+from scalarlm.training.families.hunyuan import HUNYUAN
 from scalarlm.training.families.llama import LLAMA, MISTRAL, QWEN2
 from scalarlm.training.families.moe import GLM4_MOE, MIXTRAL, OLMOE, QWEN2_MOE, QWEN3_MOE
 from scalarlm.training.families.nemotron import NEMOTRON
@@ -47,7 +48,8 @@ from scalarlm.training.families.spec import read_arch as _read_arch
 FAMILY_LIST: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, PHI3, GEMMA, GEMMA2, GEMMA3, OLMO2, OLMO3,
                                    QWEN3_MOE, QWEN2_MOE, MIXTRAL, GRANITE, GLM, GLM4, GLM4_MOE, DEEPSEEK_V3,
                                    DEEPSEEK_V2, OLMOE, EXAONE4, ERNIE4_5, GRANITE4, GRANITE_MOE, GPT_OSS,
-                                   SEED_OSS, STARCODER2, ARCEE, NEMOTRON, APERTUS)  # fmt: skip
+                                   SEED_OSS, STARCODER2, ARCEE, NEMOTRON, APERTUS,
+                                   HUNYUAN)  # fmt: skip
 FAMILIES: dict[str, Family] = {arch: f for f in FAMILY_LIST for arch in f.architectures}
 BY_NAME: dict[str, Family] = {f.name: f for f in FAMILY_LIST}
 REFUSED: dict[str, Refused] = {arch: r for r in (*_REFUSED, *_GRANITE_REFUSED) for arch in r.architectures}

@@ -4,7 +4,8 @@ Each is driven by one `ModelArch` field, never by the model type (Gemma 2/3, OLM
 `norm_offset` swaps every norm for the zero-centred one: RMSNorm's `x_hat * (1 + w)` computed in fp32, or with
 `layer_norm` LayerNorm's (Nemotron's LayerNorm1P); `input_norms` False removes the norms before attention and the
 MLP; `qk_norm_over_projection` normalises q and k over every head at once (summing the squares over TP); `activation`
-"xielu" gives each MLP its own learned activation (Apertus); `sandwich_norms` adds an output norm after attention and
+"xielu" gives each MLP its own learned activation (Apertus); `qk_norm_after_rope` moves the q/k norms after RoPE
+(HunYuan); `sandwich_norms` adds an output norm after attention and
 after the MLP; `residual_multiplier` scales each block's output before the residual add; `embedding_multiplier` scales
 the embeddings; `logits_divisor` divides the output logits; `local_rope_theta` gives the sliding-window layers their
 own RoPE base; `longrope` scales q and k's rotated dims by its attention factor; `final_logit_softcap` soft-caps the
@@ -138,6 +139,17 @@ def apply_projection_qk_norms(model: nn.Module, arch: ModelArch, dtype: torch.dt
         attn.k_layernorm = ProjectionRMSNorm(arch.num_kv_heads * arch.head_dim, tp, arch.norm_eps, dtype, group)
 
 
+def apply_qk_norms_after_rope(model: nn.Module) -> None:
+    """The per-head q/k norms move into the core attention, which applies them to the rotated q and k (megatron's
+    attention applies them before RoPE). They keep their `q_layernorm` / `k_layernorm` names, by which megatron sums
+    their gradients over TP."""
+    for layer in model.decoder.layers:
+        attn = layer.self_attention
+        core = attn.core_attention
+        core.q_layernorm, core.k_layernorm = attn.q_layernorm, attn.k_layernorm
+        attn.q_layernorm = attn.k_layernorm = None
+
+
 def apply_offset_norms(model: nn.Module, arch: ModelArch, dtype: torch.dtype) -> None:
     """Every norm (layers, q/k, final) becomes the zero-centred one."""
     for layer in model.decoder.layers:
@@ -259,6 +271,8 @@ def adapt(model: nn.Module, arch: ModelArch, dtype: torch.dtype, rope_angles) ->
         apply_offset_norms(model, arch, dtype)
     if arch.activation == "xielu":
         apply_xielu(model, dtype)
+    if arch.qk_norm_after_rope:
+        apply_qk_norms_after_rope(model)
     if arch.sandwich_norms:
         apply_sandwich_norms(model, arch, dtype)
     if arch.residual_multiplier is not None:

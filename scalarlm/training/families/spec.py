@@ -124,6 +124,12 @@ class ModelArch:
     gated_mlp: bool = True
     layer_norm: bool = False  # LayerNorm (mean removed, with a bias) instead of RMSNorm everywhere (StarCoder2)
     qk_layernorm: bool = False  # per-head q/k RMSNorm (megatron's q/k_layernorm; Qwen3, Gemma 3)
+    qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")  # their HF names (HunYuan: query_/key_layernorm)
+    # the per-head q/k norms apply to the rotated q and k, after RoPE (HunYuan; megatron's before: `modules`)
+    qk_norm_after_rope: bool = False
+    # Positions past which transformers' RoPE changes (HunYuan's `dynamic` RoPE: its frequencies are recomputed for
+    # a longer sequence): max_seq_len is capped there (`check_positions`).
+    rope_max_positions: int | None = None
     # q/k RMSNorm over the whole projection (every head at once, weights of width heads x head_dim; OLMo 2/3): TP
     # ranks hold their heads' slice of the weight and sum the squares over TP.
     qk_norm_over_projection: bool = False
@@ -263,6 +269,8 @@ class Family:
     norm_names: tuple[str, str, str] = SANDWICH_NORM_NAMES
     input_norm_names: tuple[str, str] = INPUT_NORM_NAMES
     qk_layernorm: bool = False
+    qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")
+    qk_norm_after_rope: bool = False
     qk_norm_over_projection: bool = False
     fused_qkv: bool = False
     fused_gate_up: bool = False
@@ -501,6 +509,8 @@ def read_arch(config: dict[str, Any], tensor_names: Iterable[str], families: dic
         qkv_bias=qkv_bias,
         attention_dropout=float(_value(config, "attention_dropout", 0.0)),
         qk_layernorm=extra.pop("qk_layernorm", family.qk_layernorm),  # GLM-4.5: per config (`use_qk_norm`)
+        qk_norm_names=family.qk_norm_names,
+        qk_norm_after_rope=family.qk_norm_after_rope,
         qk_norm_over_projection=family.qk_norm_over_projection,
         fused_qkv=family.fused_qkv,
         fused_gate_up=family.fused_gate_up,
@@ -543,8 +553,10 @@ def rules(arch: ModelArch) -> Iterator[Rule]:
             yield Rule(mc + "self_attention.linear_qkv.bias", tuple(f"{attn}{p}_proj.bias" for p in "qkv"), "qkv")
         if arch.qk_layernorm or arch.qk_norm_over_projection:
             kind = "dim0" if arch.qk_norm_over_projection else "replicated"  # each TP rank: its heads' slice
-            yield Rule(mc + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), kind)
-            yield Rule(mc + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), kind)
+            where = mc + ("self_attention.core_attention." if arch.qk_norm_after_rope else "self_attention.")
+            q_norm, k_norm = arch.qk_norm_names
+            yield Rule(where + "q_layernorm.weight", (f"{attn}{q_norm}.weight",), kind)
+            yield Rule(where + "k_layernorm.weight", (f"{attn}{k_norm}.weight",), kind)
         yield Rule(mc + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "dim1")
         if arch.linear_bias:  # added once, after the TP ranks' partial outputs are summed
             yield Rule(mc + "self_attention.linear_proj.bias", (attn + "o_proj.bias",), "replicated")
@@ -712,6 +724,14 @@ def check_tensor_parallel(arch: ModelArch, tp: int) -> None:
     ):
         if n % tp:
             raise InvalidRequest(f"tensor_parallel_size {tp} must divide the model's {what} ({n})")
+
+
+def check_positions(arch: ModelArch, max_seq_len: int) -> None:
+    """InvalidRequest when a training sequence could reach positions where transformers' RoPE for `arch` changes."""
+    if arch.rope_max_positions is not None and max_seq_len > arch.rope_max_positions:
+        raise InvalidRequest(
+            f"max_seq_len {max_seq_len} is past {arch.family}'s max_position_embeddings {arch.rope_max_positions}, "
+            "beyond which transformers recomputes its dynamic RoPE: use at most that", param="train_args")
 
 
 def lora_targets(family: Family, target_modules: Iterable[str]) -> list[str]:

@@ -40,6 +40,7 @@ def _names_for(config: dict) -> list[str]:
                       max_position_embeddings=1, tied_embeddings=tied, qk_layernorm=family.qk_layernorm,
                       fused_qkv=family.fused_qkv, fused_gate_up=family.fused_gate_up, mlp_names=family.mlp_names,
                       gated_mlp=family.gated_mlp, input_norm_names=family.input_norm_names,
+                      qk_norm_names=family.qk_norm_names, qk_norm_after_rope=family.qk_norm_after_rope,
                       activation=ACTIVATIONS.get(config.get("hidden_act"), "silu"),  # Apertus: xIELU's scalars
                       sandwich_norms=family.sandwich_norms, input_norms=family.input_norms,
                       qk_norm_over_projection=family.qk_norm_over_projection, norm_names=family.norm_names,
@@ -61,7 +62,7 @@ def test_registry_names_every_family_once() -> None:
                                             "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
                                             "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4",
                                             "granitemoe", "gpt_oss", "seed_oss", "starcoder2", "arcee", "nemotron",
-                                            "apertus"}
+                                            "apertus", "hunyuan"}
     assert all(FAMILIES[a] is f for f in FAMILY_LIST for a in f.architectures)
 
 
@@ -337,6 +338,38 @@ def test_apertus_reads_qk_norms_its_norm_names_and_the_xielu_scalars() -> None:
     no_rope = {k: v for k, v in APERTUS.items() if not k.startswith("rope")}
     with pytest.raises(InvalidRequest, match="apertus config without its RoPE"):
         arch_of("ApertusForCausalLM", **no_rope)
+
+
+# Hunyuan-7B-Instruct's fields as its hub config writes them (its own code's names: `rope_scaling` with `alpha`).
+HUNYUAN = {"head_dim": 64, "rope_theta": 10000.0, "max_position_embeddings": 32768, "tie_word_embeddings": True,
+           "use_qk_norm": True, "use_cla": False, "use_rotary_pos_emb": True, "norm_type": "rms",
+           "rope_scaling": {"alpha": 1000.0, "beta_fast": 32, "beta_slow": 1, "factor": 1.0, "mscale": 1.0,
+                            "mscale_all_dim": 1.0, "type": "dynamic"}}  # fmt: skip
+
+
+def test_hunyuan_reads_post_rope_qk_norms_and_its_ntk_alpha_and_caps_max_seq_len(tmp_path: Path) -> None:
+    from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS, make_tiny_model
+    from scalarlm.launcher.model_check import check_base_model
+    from scalarlm.protocol.training import TrainArgs
+
+    arch = arch_of("HunYuanDenseV1ForCausalLM", **HUNYUAN)
+    assert arch.family == "hunyuan" and arch.qk_layernorm and arch.qk_norm_after_rope
+    assert arch.rope_theta == pytest.approx(10000.0 * 1000.0 ** (64 / 62)) and arch.rope_max_positions == 32768
+    plain = arch_of("HunYuanDenseV1ForCausalLM", **{**HUNYUAN, "rope_scaling": None})
+    assert (plain.rope_theta, plain.rope_max_positions) == (10000.0, None)
+    names = {r.mcore: r.hf for r in rules(arch)}
+    assert names["decoder.layers.1.self_attention.core_attention.q_layernorm.weight"] == (
+        "model.layers.1.self_attn.query_layernorm.weight",)
+    for field, value in (("use_cla", True), ("use_qk_norm", False), ("use_rotary_pos_emb", False)):
+        with pytest.raises(InvalidRequest, match=f"{field}={str(value).lower()} is not supported for hunyuan"):
+            arch_of("HunYuanDenseV1ForCausalLM", **{**HUNYUAN, field: value})
+    with pytest.raises(InvalidRequest, match="rope_type 'yarn' is not supported for hunyuan"):
+        arch_of("HunYuanDenseV1ForCausalLM", **{**HUNYUAN, "rope_scaling": {"type": "yarn", "factor": 2.0}})
+    model = make_tiny_model(tmp_path / "hunyuan", **FAMILY_TINY_MODELS["hunyuan"])  # max_position_embeddings 1024
+    check_base_model(str(model), TrainArgs(max_seq_len=1024))
+    with pytest.raises(InvalidRequest, match="max_seq_len 2048 is past hunyuan's max_position_embeddings 1024") as e:
+        check_base_model(str(model), TrainArgs(max_seq_len=2048))
+    assert e.value.param == "train_args"
 
 
 def test_phi3_trains_with_its_residual_dropout_as_transformers_applies_it() -> None:
