@@ -19,6 +19,7 @@ def _refuse(config: dict[str, Any]) -> None:
         raise InvalidRequest("an apertus config without its RoPE (rope_parameters) is not supported: transformers then "
                              "assumes llama3 scaling of base 1.2e7; write those fields into config.json", param="model")
 
+
 APERTUS = Family(
     name="apertus",
     architectures=("ApertusForCausalLM",),

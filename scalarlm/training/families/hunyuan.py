@@ -3,7 +3,7 @@ Llama's layers with per-head q/k RMSNorms (`query_layernorm`, `key_layernorm`) a
 with Hunyuan's NTK `alpha`: a fixed base of rope_theta * alpha ** (d / (d - 2)), as transformers computes it. Past
 `max_position_embeddings` transformers recomputes that RoPE for the longer sequence, so `max_seq_len` is capped there.
 Refused: `use_cla` (cross-layer attention), `use_qk_norm` or `use_rotary_pos_emb` false, a `norm_type` other than rms
-(fields of the original code that transformers does not implement).
+(fields of the original code that transformers does not implement), partial RoPE.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ def _refuse(config: dict[str, Any]) -> None:
     for name, wrong in (("use_cla", True), ("use_qk_norm", False), ("use_rotary_pos_emb", False)):
         if config.get(name) is wrong:
             raise InvalidRequest(f"{name}={str(wrong).lower()} is not supported for hunyuan", param="model")
+    params, _ = rope_parameters(config)
+    if float(params.get("partial_rotary_factor", config.get("partial_rotary_factor")) or 1.0) != 1.0:
+        raise InvalidRequest("partial_rotary_factor (partial RoPE) is not supported for hunyuan", param="model")
     if config.get("norm_type", "rms") != "rms":
         raise InvalidRequest(f"norm_type {config['norm_type']!r} is not supported for hunyuan (rms only)",
                              param="model")  # fmt: skip

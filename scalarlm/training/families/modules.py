@@ -2,15 +2,14 @@
 
 Each is driven by one `ModelArch` field, never by the model type (Gemma 2/3, OLMo 2/3, Granite, Phi need them today):
 `norm_offset` swaps every norm for the zero-centred one: RMSNorm's `x_hat * (1 + w)` computed in fp32, or with
-`layer_norm` LayerNorm's (Nemotron's LayerNorm1P); `input_norms` False removes the norms before attention and the
-MLP; `qk_norm_over_projection` normalises q and k over every head at once (summing the squares over TP); `activation`
-"xielu" gives each MLP its own learned activation (Apertus); `qk_norm_after_rope` moves the q/k norms after RoPE
-(HunYuan); `sandwich_norms` adds an output norm after attention and
-after the MLP; `residual_multiplier` scales each block's output before the residual add; `embedding_multiplier` scales
-the embeddings; `logits_divisor` divides the output logits; `local_rope_theta` gives the sliding-window layers their
-own RoPE base; `longrope` scales q and k's rotated dims by its attention factor; `final_logit_softcap` soft-caps the
-logits. Parameter names stay megatron's (plus `self_attention.post_norm` / `mlp.post_norm`,
-`mlp.activation_func.*`), so the converter's rules name them.
+`layer_norm` LayerNorm's (Nemotron's LayerNorm1P); `input_norms` False removes the norms before attention and the MLP;
+`qk_norm_over_projection` normalises q and k over every head at once (summing the squares over TP); `activation` "xielu"
+gives each MLP its own learned activation (Apertus); `qk_norm_after_rope` moves the q/k norms after RoPE (HunYuan);
+`sandwich_norms` adds an output norm after attention and after the MLP; `residual_multiplier` scales each block's output
+before the residual add; `embedding_multiplier` scales the embeddings; `logits_divisor` divides the output logits;
+`local_rope_theta` gives the sliding-window layers their own RoPE base; `longrope` scales q and k's rotated dims by its
+attention factor; `final_logit_softcap` soft-caps the logits. Parameter names stay megatron's (plus
+`self_attention.post_norm` / `mlp.post_norm`, `mlp.activation_func.*`), so the converter's rules name them.
 """
 
 from __future__ import annotations

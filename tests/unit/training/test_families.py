@@ -363,6 +363,8 @@ def test_hunyuan_reads_post_rope_qk_norms_and_its_ntk_alpha_and_caps_max_seq_len
     for field, value in (("use_cla", True), ("use_qk_norm", False), ("use_rotary_pos_emb", False)):
         with pytest.raises(InvalidRequest, match=f"{field}={str(value).lower()} is not supported for hunyuan"):
             arch_of("HunYuanDenseV1ForCausalLM", **{**HUNYUAN, field: value})
+    with pytest.raises(InvalidRequest, match="partial_rotary_factor .* is not supported for hunyuan"):
+        arch_of("HunYuanDenseV1ForCausalLM", **{**HUNYUAN, "partial_rotary_factor": 0.5})
     with pytest.raises(InvalidRequest, match="rope_type 'yarn' is not supported for hunyuan"):
         arch_of("HunYuanDenseV1ForCausalLM", **{**HUNYUAN, "rope_scaling": {"type": "yarn", "factor": 2.0}})
     model = make_tiny_model(tmp_path / "hunyuan", **FAMILY_TINY_MODELS["hunyuan"])  # max_position_embeddings 1024
