@@ -79,6 +79,7 @@ def entry_view(name: str) -> str:
 
 SANDWICH_NORM_NAMES = ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 INPUT_NORM_NAMES = ("input_layernorm", "post_attention_layernorm")  # Apertus: attention_ / feedforward_layernorm
+QK_NORM_NAMES = ("q_norm", "k_norm")  # HunYuan: query_layernorm, key_layernorm
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ class ModelArch:
     gated_mlp: bool = True
     layer_norm: bool = False  # LayerNorm (mean removed, with a bias) instead of RMSNorm everywhere (StarCoder2)
     qk_layernorm: bool = False  # per-head q/k RMSNorm (megatron's q/k_layernorm; Qwen3, Gemma 3)
-    qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")  # their HF names (HunYuan: query_/key_layernorm)
+    qk_norm_names: tuple[str, str] = QK_NORM_NAMES  # their HF names
     # the per-head q/k norms apply to the rotated q and k, after RoPE (HunYuan; megatron's before: `modules`)
     qk_norm_after_rope: bool = False
     # Positions past which transformers' RoPE changes (HunYuan's `dynamic` RoPE: its frequencies are recomputed for
@@ -269,7 +270,7 @@ class Family:
     norm_names: tuple[str, str, str] = SANDWICH_NORM_NAMES
     input_norm_names: tuple[str, str] = INPUT_NORM_NAMES
     qk_layernorm: bool = False
-    qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")
+    qk_norm_names: tuple[str, str] = QK_NORM_NAMES
     qk_norm_after_rope: bool = False
     qk_norm_over_projection: bool = False
     fused_qkv: bool = False
@@ -335,7 +336,7 @@ def rope_parameters(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
 
 def _read_rope(config: dict[str, Any], family: Family) -> dict[str, Any]:
     """The ModelArch fields of the config's RoPE: `rope_theta`, `rotary_fraction` when partial, and `llama3_rope`,
-    `yarn_rope` or `longrope` when scaled."""
+    `yarn_rope` or `longrope` when scaled (`dynamic`: `rope_max_positions`)."""
     params, where = rope_parameters(config)
     rope_type = params.get("rope_type") or "default"
     if rope_type in ("su", "yarn") and "longrope" in family.rope_types and rope_type not in family.rope_types:
@@ -349,11 +350,17 @@ def _read_rope(config: dict[str, Any], family: Family) -> dict[str, Any]:
     theta = float(params.get("rope_theta") or _value(config, "rope_theta", 10000.0))
     out: dict[str, Any] = {"rope_theta": theta, **_rotary_fraction(config, params, family)}
     max_position = int(_value(config, "max_position_embeddings", 4096))
+    if rope_type == "dynamic":
+        # transformers' dynamic NTK RoPE: the default frequencies (with HunYuan's NTK `alpha`, of the base
+        # theta * alpha ** (d / (d - 2))) up to max_position_embeddings, recomputed for a longer sequence
+        if alpha := params.get("alpha"):
+            head_dim = _head_dim(config)
+            out["rope_theta"] = theta * float(alpha) ** (head_dim / (head_dim - 2))
+        return {**out, "rope_max_positions": max_position}
     if rope_type == "yarn":
         return {**out, "yarn_rope": read_yarn(params, where, max_position, params.get("truncate", True))}
     if rope_type == "longrope":
-        head_dim = int(_value(config, "head_dim", int(config["hidden_size"]) // int(config["num_attention_heads"])))
-        rotary_dim = int(head_dim * out.get("rotary_fraction", 1.0))
+        rotary_dim = int(_head_dim(config) * out.get("rotary_fraction", 1.0))
         return {**out, "longrope": read_longrope(config, params, where, max_position, rotary_dim)}
     if rope_type != "llama3":
         return out
@@ -367,6 +374,10 @@ def _read_rope(config: dict[str, Any], family: Family) -> dict[str, Any]:
     except KeyError as e:
         raise InvalidRequest(f"{where} of rope_type 'llama3' lacks {e.args[0]!r}", param="model") from None
     return {**out, "llama3_rope": llama3}
+
+
+def _head_dim(config: dict[str, Any]) -> int:
+    return int(_value(config, "head_dim", int(config["hidden_size"]) // int(config["num_attention_heads"])))
 
 
 def _rotary_fraction(config: dict[str, Any], params: dict[str, Any], family: Family) -> dict[str, float]:
