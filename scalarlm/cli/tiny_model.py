@@ -23,16 +23,17 @@ logger = logging.getLogger(__name__)
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3", "olmo2",
             "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
             "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4", "granitemoe", "gpt_oss",
-            "seed_oss", "starcoder2", "arcee", "nemotron", "apertus", "hunyuan")  # fmt: skip
+            "seed_oss", "starcoder2", "arcee", "nemotron", "apertus", "hunyuan", "cohere", "cohere2")  # fmt: skip
 Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3",
                  "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe",
                  "deepseek_v3", "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4", "granitemoe",
-                 "gpt_oss", "seed_oss", "starcoder2", "arcee", "nemotron", "apertus", "hunyuan"]  # fmt: skip
+                 "gpt_oss", "seed_oss", "starcoder2", "arcee", "nemotron", "apertus", "hunyuan", "cohere",
+                 "cohere2"]  # fmt: skip
 # Mixture-of-experts tiny models: 4 experts, 2 per token, each expert's intermediate size hidden / 2.
 TINY_EXPERTS, TINY_TOPK = 4, 2
 # Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3, Gemma).
 TIED_BY_DEFAULT = frozenset({"qwen3", "llama3", "smollm3", "gemma", "gemma2", "gemma3", "granite", "ernie4_5",
-                             "granite4", "granitemoe", "starcoder2", "hunyuan"})  # fmt: skip
+                             "granite4", "granitemoe", "starcoder2", "hunyuan", "cohere", "cohere2"})  # fmt: skip
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<unk>"]
 # vLLM's CPU attention kernels support only these head sizes.
@@ -268,6 +269,22 @@ def _family_config(
                 "high_freq_factor": 4.0, "original_max_position_embeddings": max(64, max_position // 8)}  # fmt: skip
         return transformers.ApertusConfig(head_dim=head_dim, hidden_act="xielu", attention_bias=False, mlp_bias=False,
                                           rope_parameters=rope, **common)  # fmt: skip
+    if family in ("cohere", "cohere2"):
+        # Aya Expanse 8B's fields (Cohere: attention and the MLP in parallel on one bias-free LayerNorm, RoPE on
+        # adjacent pairs, logits x 0.125, tied embeddings) and Command R7B's (Cohere2: logits x 0.25; sliding layers
+        # with RoPE, full ones without, 3:1 shrunk to 1:1 with the last layer full; the window small enough that the
+        # parity sequences pass it, larger than the serving test's sequences: vLLM 0.32 attends one key more there).
+        fields = {k: v for k, v in common.items() if k != "rms_norm_eps"}
+        if family == "cohere":
+            return transformers.CohereConfig(logit_scale=0.125, layer_norm_eps=1e-5, use_qk_norm=False,
+                                             attention_bias=False, rope_parameters={"rope_type": "default",
+                                                                                    "rope_theta": 4000000.0},
+                                             **fields)  # fmt: skip
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        return transformers.Cohere2Config(logit_scale=0.25, layer_norm_eps=1e-5, sliding_window=32, layer_types=types,
+                                          attention_bias=False, rope_parameters={"rope_type": "default",
+                                                                                 "rope_theta": 50000.0},
+                                          **fields)  # fmt: skip
     if family == "nemotron":
         # Minitron-8B's fields: GQA, RoPE on the leading half of each head, LayerNorm1P (zero-centred weight, a bias),
         # an ungated ReLU-squared MLP, no biases, untied embeddings.
@@ -532,6 +549,8 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
     "nemotron": dict(family="nemotron", hidden=256, heads=4, kv_heads=2, seed=37),
     "apertus": dict(family="apertus", hidden=256, heads=4, kv_heads=2, seed=38),
     "hunyuan": dict(family="hunyuan", hidden=256, heads=4, kv_heads=2, seed=39),
+    "cohere": dict(family="cohere", hidden=256, heads=4, kv_heads=2, seed=40),
+    "cohere2": dict(family="cohere2", hidden=256, heads=4, kv_heads=2, seed=41),
     "glm": dict(family="glm", hidden=256, heads=4, kv_heads=2, seed=20),
     "glm4": dict(family="glm4", hidden=256, heads=4, kv_heads=2, seed=19),
 }

@@ -8,17 +8,9 @@ llama3 scaling of base 1.2e7 there).
 
 from __future__ import annotations
 
-from typing import Any
+from functools import partial
 
-from scalarlm.protocol.errors import InvalidRequest
-from scalarlm.training.families.spec import Family
-
-
-def _refuse(config: dict[str, Any]) -> None:
-    if not any(config.get(k) for k in ("rope_parameters", "rope_scaling", "rope_theta")):
-        raise InvalidRequest("an apertus config without its RoPE (rope_parameters) is not supported: transformers then "
-                             "assumes llama3 scaling of base 1.2e7; write those fields into config.json", param="model")
-
+from scalarlm.training.families.spec import Family, refuse_without_rope
 
 APERTUS = Family(
     name="apertus",
@@ -30,6 +22,6 @@ APERTUS = Family(
     mlp_names=("mlp", "up_proj", "down_proj"),
     gated_mlp=False,
     activations=frozenset({"xielu"}),
-    refuse=_refuse,
+    refuse=partial(refuse_without_rope, family="apertus", assumed="llama3 scaling of base 1.2e7"),
     notes="Apertus: Llama with q/k norms, an ungated xIELU MLP (learned per layer), llama3 RoPE",
 )

@@ -2,7 +2,9 @@
 
 Each is driven by one `ModelArch` field, never by the model type (Gemma 2/3, OLMo 2/3, Granite, Phi need them today):
 `norm_offset` swaps every norm for the zero-centred one: RMSNorm's `x_hat * (1 + w)` computed in fp32, or with
-`layer_norm` LayerNorm's (Nemotron's LayerNorm1P); `input_norms` False removes the norms before attention and the MLP;
+`layer_norm` LayerNorm's (Nemotron's LayerNorm1P); `norm_bias` False for a LayerNorm without a bias, in fp32
+(Cohere); `parallel_block` feeds the MLP the attention's normed input (Cohere); `input_norms` False removes the norms
+before attention and the MLP;
 `qk_norm_over_projection` normalises q and k over every head at once (summing the squares over TP); `activation` "xielu"
 gives each MLP its own learned activation (Apertus); `qk_norm_after_rope` moves the q/k norms after RoPE (HunYuan);
 `sandwich_norms` adds an output norm after attention and after the MLP; `residual_multiplier` scales each block's output
@@ -60,6 +62,31 @@ class ProjectionRMSNorm(nn.Module):
         return (self.weight.float() * h).type_as(x).view_as(x)
 
 
+class FloatLayerNorm(nn.Module):
+    """LayerNorm with a weight and no bias, computed in fp32 with the weight applied in fp32, then cast back (HF's
+    CohereLayerNorm)."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (F.layer_norm(x.float(), self.weight.shape, eps=self.eps) * self.weight.float()).type_as(x)
+
+
+class ParallelMLPInput(nn.Module):
+    """A parallel block's pre-MLP norm: hands the MLP what the layer's input norm gave attention (`normed`, filled by
+    a hook on that norm), whatever megatron passes it (x plus attention's output). No parameters."""
+
+    def __init__(self, normed: dict[str, Tensor]) -> None:
+        super().__init__()
+        self.normed = normed
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        return self.normed.pop("out")
+
+
 class OffsetLayerNorm(nn.Module):
     """LayerNorm with the zero-centred weight, `layer_norm(x) * (1 + w) + b`, in the input's dtype (HF's
     NemotronLayerNorm1P)."""
@@ -110,6 +137,11 @@ def _offset_norm(arch: ModelArch, size: int, dtype: torch.dtype) -> nn.Module:
     return FloatRMSNorm(size, arch.norm_eps, dtype, offset=True)
 
 
+def _own_norm(arch: ModelArch, size: int, dtype: torch.dtype) -> nn.Module:
+    """The family's norm where megatron's differs: zero-centred (`norm_offset`) or a LayerNorm without a bias."""
+    return _offset_norm(arch, size, dtype) if arch.norm_offset else FloatLayerNorm(size, arch.norm_eps, dtype)
+
+
 def _float_norm(arch: ModelArch, size: int, dtype: torch.dtype) -> FloatRMSNorm:
     return FloatRMSNorm(size, arch.norm_eps, dtype)
 
@@ -149,16 +181,30 @@ def apply_qk_norms_after_rope(model: nn.Module) -> None:
         attn.q_layernorm = attn.k_layernorm = None
 
 
-def apply_offset_norms(model: nn.Module, arch: ModelArch, dtype: torch.dtype) -> None:
-    """Every norm (layers, q/k, final) becomes the zero-centred one."""
+def apply_own_norms(model: nn.Module, arch: ModelArch, dtype: torch.dtype) -> None:
+    """Every norm (layers, q/k, final) becomes the family's own (`_own_norm`)."""
     for layer in model.decoder.layers:
-        layer.input_layernorm = _offset_norm(arch, arch.hidden_size, dtype)
-        layer.pre_mlp_layernorm = _offset_norm(arch, arch.hidden_size, dtype)
+        layer.input_layernorm = _own_norm(arch, arch.hidden_size, dtype)
+        layer.pre_mlp_layernorm = _own_norm(arch, arch.hidden_size, dtype)
         attn = layer.self_attention
         if arch.qk_layernorm:
-            attn.q_layernorm = _offset_norm(arch, arch.head_dim, dtype)
-            attn.k_layernorm = _offset_norm(arch, arch.head_dim, dtype)
-    model.decoder.final_layernorm = _offset_norm(arch, arch.hidden_size, dtype)
+            attn.q_layernorm = _own_norm(arch, arch.head_dim, dtype)
+            attn.k_layernorm = _own_norm(arch, arch.head_dim, dtype)
+    model.decoder.final_layernorm = _own_norm(arch, arch.hidden_size, dtype)
+
+
+def apply_parallel_blocks(model: nn.Module) -> None:
+    """The MLP reads the layer's normed input (what attention read) instead of megatron's norm of x + attention, so
+    the layer computes `(x + attn(norm(x))) + mlp(norm(x))`, HF's sum in HF's order; both branches' gradients reach
+    the one norm."""
+    for layer in model.decoder.layers:
+        normed: dict[str, Tensor] = {}
+
+        def keep(module: nn.Module, args: tuple, output: Tensor, normed: dict[str, Tensor] = normed) -> None:
+            normed["out"] = output
+
+        layer.input_layernorm.register_forward_hook(keep)
+        layer.pre_mlp_layernorm = ParallelMLPInput(normed)
 
 
 def _normed_output(module: nn.Module, args: tuple, output: Any) -> Any:
@@ -266,8 +312,10 @@ def adapt(model: nn.Module, arch: ModelArch, dtype: torch.dtype, rope_angles) ->
         remove_input_norms(model)
     if arch.qk_norm_over_projection:
         apply_projection_qk_norms(model, arch, dtype)
-    if arch.norm_offset:
-        apply_offset_norms(model, arch, dtype)
+    if arch.norm_offset or (arch.layer_norm and not arch.norm_bias):
+        apply_own_norms(model, arch, dtype)
+    if arch.parallel_block:
+        apply_parallel_blocks(model)
     if arch.activation == "xielu":
         apply_xielu(model, dtype)
     if arch.qk_norm_after_rope:

@@ -124,6 +124,10 @@ class ModelArch:
     # activation applied to all of it (megatron's gated_linear_unit off).
     gated_mlp: bool = True
     layer_norm: bool = False  # LayerNorm (mean removed, with a bias) instead of RMSNorm everywhere (StarCoder2)
+    norm_bias: bool = True  # False: that LayerNorm has a weight only, computed in fp32 (Cohere's)
+    # Attention and the MLP both read the layer's input through its one input norm and their outputs are added to it
+    # together, `x + attn(norm(x)) + mlp(norm(x))` (Cohere's parallel block; no pre-MLP norm).
+    parallel_block: bool = False
     qk_layernorm: bool = False  # per-head q/k RMSNorm (megatron's q/k_layernorm; Qwen3, Gemma 3)
     qk_norm_names: tuple[str, str] = QK_NORM_NAMES  # their HF names
     # the per-head q/k norms apply to the rotated q and k, after RoPE (HunYuan; megatron's before: `modules`)
@@ -273,6 +277,7 @@ class Family:
     qk_norm_names: tuple[str, str] = QK_NORM_NAMES
     qk_norm_after_rope: bool = False
     qk_norm_over_projection: bool = False
+    parallel_block: bool = False
     fused_qkv: bool = False
     fused_gate_up: bool = False
     mlp_names: tuple[str, str, str] = MLP_NAMES
@@ -374,6 +379,14 @@ def _read_rope(config: dict[str, Any], family: Family) -> dict[str, Any]:
     except KeyError as e:
         raise InvalidRequest(f"{where} of rope_type 'llama3' lacks {e.args[0]!r}", param="model") from None
     return {**out, "llama3_rope": llama3}
+
+
+def refuse_without_rope(config: dict[str, Any], family: str, assumed: str) -> None:
+    """InvalidRequest for a config without its RoPE fields, where transformers' config class assumes `assumed` (not
+    the 10000 base the common reader would take)."""
+    if not any(config.get(k) for k in ("rope_parameters", "rope_scaling", "rope_theta")):
+        raise InvalidRequest(f"{family}: a config without its RoPE (rope_parameters) is not supported: transformers "
+                             f"then assumes {assumed}; write those fields into config.json", param="model")  # fmt: skip
 
 
 def _head_dim(config: dict[str, Any]) -> int:
@@ -532,6 +545,7 @@ def read_arch(config: dict[str, Any], tensor_names: Iterable[str], families: dic
         activation=extra.pop("activation", activation),  # GPT-OSS: its experts' own, whatever hidden_act says
         sandwich_norms=family.sandwich_norms,
         input_norms=family.input_norms,
+        parallel_block=family.parallel_block,
         rotary_interleaved=family.rotary_interleaved,
         norm_names=family.norm_names,
         input_norm_names=family.input_norm_names,
@@ -579,7 +593,7 @@ def rules(arch: ModelArch) -> Iterator[Rule]:
             if arch.input_norms:
                 yield Rule(mc + "pre_mlp_layernorm.weight", (f"{hf}{pre_mlp}.weight",), "replicated")
             yield Rule(mc + "mlp.post_norm.weight", (f"{hf}{mlp_out}.weight",), "replicated")
-        else:
+        elif not arch.parallel_block:
             yield from _norm_rules(arch, mc + "pre_mlp_layernorm", hf + pre_mlp_norm)
         if arch.is_moe(i):
             yield from _expert_rules(arch, hf, mc)
@@ -601,7 +615,7 @@ def rules(arch: ModelArch) -> Iterator[Rule]:
 def _norm_rules(arch: ModelArch, mc: str, hf: str) -> Iterator[Rule]:
     """A norm's weight (and its bias, a LayerNorm's), the same on every TP rank."""
     yield Rule(mc + ".weight", (hf + ".weight",), "replicated")
-    if arch.layer_norm:
+    if arch.layer_norm and arch.norm_bias:
         yield Rule(mc + ".bias", (hf + ".bias",), "replicated")
 
 

@@ -44,9 +44,11 @@ def _names_for(config: dict) -> list[str]:
                       activation=ACTIVATIONS.get(config.get("hidden_act"), "silu"),  # Apertus: xIELU's scalars
                       sandwich_norms=family.sandwich_norms, input_norms=family.input_norms,
                       qk_norm_over_projection=family.qk_norm_over_projection, norm_names=family.norm_names,
+                      parallel_block=family.parallel_block,
                       qkv_bias=family.qkv_bias_from_weights and bool(config.get("attention_bias") or
                                                                       config.get("use_bias")),
-                      **{k: v for k, v in extra.items() if k in ("layer_norm", "linear_bias")})  # fmt: skip
+                      **{k: v for k, v in extra.items()
+                         if k in ("layer_norm", "norm_bias", "linear_bias")})  # fmt: skip
     return hf_tensor_names(shape)
 
 
@@ -62,7 +64,7 @@ def test_registry_names_every_family_once() -> None:
                                             "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
                                             "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4",
                                             "granitemoe", "gpt_oss", "seed_oss", "starcoder2", "arcee", "nemotron",
-                                            "apertus", "hunyuan"}
+                                            "apertus", "hunyuan", "cohere", "cohere2"}
     assert all(FAMILIES[a] is f for f in FAMILY_LIST for a in f.architectures)
 
 
@@ -336,7 +338,7 @@ def test_apertus_reads_qk_norms_its_norm_names_and_the_xielu_scalars() -> None:
             "model.layers.1.mlp.act_fn.eps"} <= names  # fmt: skip
     assert not any("input_layernorm" in n or "post_attention_layernorm" in n or "gate" in n for n in names)
     no_rope = {k: v for k, v in APERTUS.items() if not k.startswith("rope")}
-    with pytest.raises(InvalidRequest, match="apertus config without its RoPE"):
+    with pytest.raises(InvalidRequest, match="apertus: a config without its RoPE"):
         arch_of("ApertusForCausalLM", **no_rope)
 
 
@@ -372,6 +374,49 @@ def test_hunyuan_reads_post_rope_qk_norms_and_its_ntk_alpha_and_caps_max_seq_len
     with pytest.raises(InvalidRequest, match="max_seq_len 2048 is past hunyuan's max_position_embeddings 1024") as e:
         check_base_model(str(model), TrainArgs(max_seq_len=2048))
     assert e.value.param == "train_args"
+
+
+# Aya Expanse 8B's fields and Command R7B's as their hub configs write them (transformers 4.x: `rope_theta` at the top
+# level; Command R7B's `sliding_window_pattern` without `layer_types`, and fields transformers ignores).
+AYA_EXPANSE = {"hidden_act": "silu", "layer_norm_eps": 1e-5, "logit_scale": 0.125, "rope_theta": 10000,
+               "use_qk_norm": False, "attention_bias": False, "tie_word_embeddings": True}  # fmt: skip
+COMMAND_R7B = {**AYA_EXPANSE, "logit_scale": 0.25, "rope_theta": 50000, "num_hidden_layers": 8, "sliding_window": 4096,
+               "sliding_window_pattern": 4, "position_embedding_type": "rope_gptj", "rotary_pct": 1.0,
+               "order_of_interleaved_layers": "local_attn_first"}  # fmt: skip
+
+
+def test_cohere_reads_parallel_blocks_bias_free_layer_norms_and_the_logit_scale() -> None:
+    arch = arch_of("CohereForCausalLM", **AYA_EXPANSE)
+    assert arch.family == "cohere" and arch.parallel_block and arch.layer_norm and not arch.norm_bias
+    assert arch.rotary_interleaved and arch.logits_divisor == 8.0 and arch.norm_eps == 1e-5 and arch.tied_embeddings
+    assert not (arch.windows or arch.rope_layers or arch.norm_offset)
+    names = set(hf_tensor_names(arch))
+    assert {"model.layers.0.input_layernorm.weight", "model.norm.weight",
+            "model.layers.1.mlp.gate_proj.weight"} <= names  # fmt: skip
+    assert not any(n.endswith(".bias") or "post_attention_layernorm" in n for n in names)  # one norm per layer
+    assert not any("pre_mlp_layernorm" in r.mcore for r in rules(arch))
+    assert arch_of("CohereForCausalLM", **{**AYA_EXPANSE, "logit_scale": None}).logits_divisor == 16.0  # Command R's
+    with pytest.raises(InvalidRequest, match="use_qk_norm=true .* is not supported for cohere"):
+        arch_of("CohereForCausalLM", **{**AYA_EXPANSE, "use_qk_norm": True})
+    with pytest.raises(InvalidRequest, match="cohere: a config without its RoPE"):
+        arch_of("CohereForCausalLM", **{k: v for k, v in AYA_EXPANSE.items() if k != "rope_theta"})
+    with pytest.raises(InvalidRequest, match="logit_scale=0.0 must be positive"):
+        arch_of("CohereForCausalLM", **{**AYA_EXPANSE, "logit_scale": 0.0})
+
+
+def test_cohere2_derives_its_layer_types_and_leaves_rope_out_of_the_full_layers() -> None:
+    arch = arch_of("Cohere2ForCausalLM", **COMMAND_R7B)
+    assert arch.family == "cohere2" and arch.parallel_block and arch.logits_divisor == 4.0
+    full = [3, 7]  # every 4th layer, as transformers derives layer_types from sliding_window_pattern
+    assert arch.windows == tuple(None if i in full else 4096 for i in range(8))
+    assert arch.rope_layers == tuple(i not in full for i in range(8))
+    types = ["sliding_attention", "full_attention"] * 4
+    listed = arch_of("Cohere2ForCausalLM", **{**COMMAND_R7B, "layer_types": types})
+    assert listed.windows == (4096, None) * 4 and listed.rope_layers == (True, False) * 4
+    # transformers rotates only where a layer has a window: none without one
+    assert arch_of("Cohere2ForCausalLM", **{**COMMAND_R7B, "sliding_window": None}).rope_layers == (False,) * 8
+    with pytest.raises(InvalidRequest, match="layer_types has 2 entries for 8 layers"):
+        arch_of("Cohere2ForCausalLM", **{**COMMAND_R7B, "layer_types": types[:2]})
 
 
 def test_phi3_trains_with_its_residual_dropout_as_transformers_applies_it() -> None:

@@ -1,0 +1,78 @@
+"""Cohere (`CohereForCausalLM`: Command R, Aya 23, Aya Expanse 8B/32B) and Cohere2 (`Cohere2ForCausalLM`: Command R7B,
+Command A): attention and the MLP side by side on one input norm, `x + attn(norm(x)) + mlp(norm(x))` (megatron's
+sequential layer with the MLP reading the attention's normed input: `modules.apply_parallel_blocks`); LayerNorm without
+a bias, computed in fp32 (`layer_norm_eps`); RoPE on adjacent pairs of dims; a SwiGLU MLP; output logits multiplied by
+`logit_scale`; tied embeddings. Cohere2 adds sliding-window layers (`layer_types`, or every `sliding_window_pattern`-th
+layer full, as transformers derives it) and leaves RoPE out of its full-attention layers.
+
+Refused: Command R+'s per-head q/k LayerNorms (`use_qk_norm`), a config without its RoPE fields. vLLM 0.32.0 serves
+Cohere2's sliding layers with one key more than transformers (window + 1, Cohere's training convention by vLLM's
+account); the trainer follows transformers, so a served answer can differ past the window (4096 in Command R7B).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scalarlm.protocol.errors import InvalidRequest
+from scalarlm.training.families.spec import Family, layer_type_windows, refuse_without_rope
+
+
+def _refuse(config: dict[str, Any]) -> None:
+    family = config.get("model_type") or "cohere"
+    refuse_without_rope(config, family, "a RoPE base of 500000 (Cohere) or 10000 (Cohere2)")
+    if config.get("use_qk_norm"):
+        raise InvalidRequest(f"use_qk_norm=true (Command R+'s per-head q/k LayerNorms) is not supported for {family}",
+                             param="model")  # fmt: skip
+
+
+def _extra(config: dict[str, Any]) -> dict[str, Any]:
+    scale = config.get("logit_scale")
+    scale = 0.0625 if scale is None else float(scale)  # transformers' default (Command R's)
+    if not scale > 0:
+        raise InvalidRequest(f"logit_scale={config['logit_scale']} must be positive", param="model")
+    return {"layer_norm": True, "norm_bias": False, "norm_eps": float(config.get("layer_norm_eps") or 1e-5),
+            "logits_divisor": 1.0 / scale}  # fmt: skip
+
+
+def _layer_types(config: dict[str, Any], layers: int) -> dict[str, Any]:
+    """Cohere2's config with `layer_types` as transformers derives them when the config has none (older hub configs
+    carry `sliding_window_pattern`: every pattern-th layer full)."""
+    if config.get("layer_types") is not None:
+        return config
+    pattern = int(config.get("sliding_window_pattern") or 4)
+    types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    return {**config, "layer_types": types}
+
+
+def _windows(config: dict[str, Any], layers: int) -> tuple[int | None, ...]:
+    return layer_type_windows(_layer_types(config, layers), layers, True)
+
+
+def _rope_layers(config: dict[str, Any], layers: int) -> tuple[bool, ...]:
+    """RoPE on the sliding-window layers only (transformers: on the layers with a window, so none without one)."""
+    windows = _windows(config, layers)
+    return tuple(w is not None for w in windows) if windows else (False,) * layers
+
+
+COHERE = Family(
+    name="cohere",
+    architectures=("CohereForCausalLM",),
+    rotary_interleaved=True,
+    parallel_block=True,
+    refuse=_refuse,
+    extra=_extra,
+    notes="Command R / Aya: attention and MLP in parallel, bias-free LayerNorm, interleaved RoPE, logit_scale",
+)
+
+COHERE2 = Family(
+    name="cohere2",
+    architectures=("Cohere2ForCausalLM",),
+    rotary_interleaved=True,
+    parallel_block=True,
+    refuse=_refuse,
+    extra=_extra,
+    windows=_windows,
+    rope_layers=_rope_layers,
+    notes="Command R7B / Command A: Cohere's layers, sliding-window layers with RoPE, full ones without",
+)
