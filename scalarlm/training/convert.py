@@ -21,9 +21,9 @@ __all__ = ["hf_tensor_names", "hf_to_mcore", "mark_tensor_parallel", "mcore_to_h
 
 
 def _check_tied_head(hf: dict[str, Tensor], arch: ModelArch) -> None:
-    head = hf.get("lm_head.weight")
-    if arch.tied_embeddings and head is not None and not torch.equal(head, hf["model.embed_tokens.weight"]):
-        raise InvalidRequest("tie_word_embeddings=true but lm_head.weight differs from the embedding", param="model")
+    head = hf.get(arch.hf_head)
+    if arch.tied_embeddings and head is not None and not torch.equal(head, hf[arch.hf_embedding]):
+        raise InvalidRequest(f"tie_word_embeddings=true but {arch.hf_head} differs from the embedding", param="model")
 
 
 def _source(hf: Mapping[str, Tensor], name: str) -> Tensor:

@@ -76,17 +76,18 @@ def publish_dtypes(base_model: Path, dtype: str) -> dict[str, torch.dtype] | tor
     return hf_io.source_dtypes(base_model) if dtype == "source" else hf_io.PUBLISH_DTYPES[dtype]
 
 
-def keep_source_names(state: dict[str, Tensor], base_model: Path, tied: bool) -> dict[str, Tensor]:
+def keep_source_names(state: dict[str, Tensor], base_model: Path, tied: tuple[str, str] | None) -> dict[str, Tensor]:
     """Add the base tensors no rule produces, so a published step has the base's tensor names: a tied model's saved
-    `lm_head.weight` (= the trained embedding) and derived buffers (`rotary_emb.inv_freq`, copied unchanged)."""
+    `lm_head.weight` (= the trained embedding; `tied`: those two names) and derived buffers (`rotary_emb.inv_freq`,
+    copied unchanged)."""
     extra = sorted(hf_io.tensor_names(base_model) - set(state))
     if not extra:
         return state
     out = dict(state)
     with hf_io.Weights(base_model, dtype=None) as base:
         for name in extra:
-            if name == "lm_head.weight" and tied:
-                out[name] = state["model.embed_tokens.weight"].clone()
+            if tied is not None and name == tied[0]:
+                out[name] = state[tied[1]].clone()
             elif name.endswith(".rotary_emb.inv_freq"):
                 out[name] = base[name]
             else:
@@ -111,7 +112,8 @@ def publish_checkpoint(
     shards = gather_tp_shards(model, arch, par)
     path = None
     if par.is_main and shards is not None:
-        state = keep_source_names(mcore_to_hf(shards, whole_model(arch)), base_model, arch.tied_embeddings)
+        state = keep_source_names(mcore_to_hf(shards, whole_model(arch)), base_model,
+                                  (arch.hf_head, arch.hf_embedding) if arch.tied_embeddings else None)
         dtypes = publish_dtypes(base_model, dtype)
         path = publish(job, manifest, lambda d: hf_io.write_checkpoint(d, state, base_model, base_config, dtypes))
         logger.info("published %s", path)

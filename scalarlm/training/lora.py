@@ -37,11 +37,12 @@ from scalarlm.training.families.spec import Kind, hf_projections, lora_targets
 
 def linears(arch: ModelArch) -> dict[str, tuple[str, tuple[str, ...], Kind]]:
     """megatron linear -> (HF module path inside a layer, the HF modules it fuses, its TP kind)."""
-    attn, mlp, down = hf_projections(arch.fused_qkv, arch.fused_gate_up, arch.mlp_names)
+    attn, mlp, down = hf_projections(arch.fused_qkv, arch.fused_gate_up, arch.mlp_names, arch.attention_names)
     module = arch.mlp_names[0]
+    attention, _, o_proj = arch.attention_names
     return {
-        "self_attention.linear_qkv": ("self_attn", attn, "qkv"),
-        "self_attention.linear_proj": ("self_attn", ("o_proj",), "dim1"),
+        "self_attention.linear_qkv": (attention, attn, "dim0" if arch.qkv_grouped else "qkv"),
+        "self_attention.linear_proj": (attention, (o_proj,), "dim1"),
         "mlp.linear_fc1": (module, mlp, "fc1" if arch.gated_mlp else "dim0"),
         "mlp.linear_fc2": (module, (down,), "dim1"),
     }
@@ -86,12 +87,13 @@ def _proj_shapes(arch: ModelArch) -> dict[str, tuple[int, int]]:
     h, d = arch.hidden_size, arch.head_dim
     qkv = sum(layouts.qkv_sizes(arch))
     _, fused, down = arch.mlp_names
+    _, fused_qkv, o_proj = arch.attention_names
     return {
-        "qkv_proj": (h, qkv),
+        fused_qkv: (h, qkv),
         "q_proj": (h, arch.num_heads * d),
         "k_proj": (h, arch.num_kv_heads * d),
         "v_proj": (h, arch.num_kv_heads * d),
-        "o_proj": (arch.num_heads * d, h),
+        o_proj: (arch.num_heads * d, h),
         "gate_proj": (h, arch.ffn_hidden_size),
         "up_proj": (h, arch.ffn_hidden_size),
         down: (arch.ffn_hidden_size, h),
@@ -218,7 +220,7 @@ def peft_state(model: nn.Module, arch: ModelArch) -> dict[str, Tensor]:
             if lora is None:
                 continue
             for proj, pair in lora.pairs.items():
-                key = f"base_model.model.model.layers.{i}.{hf_module}.{proj}"
+                key = f"base_model.model.{arch.model_names[1]}.{i}.{hf_module}.{proj}"
                 out[f"{key}.lora_A.weight"] = pair.A.detach().float().cpu().contiguous()
                 out[f"{key}.lora_B.weight"] = pair.B.detach().float().cpu().contiguous()
     return out

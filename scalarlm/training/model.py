@@ -49,8 +49,8 @@ def _per_layer_activation(x: Tensor) -> Tensor:
     raise RuntimeError("a learned activation (xIELU) is each layer's own module: families.modules.apply_xielu")
 
 
-_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh"), "quick_gelu": _quick_gelu,
-                "squared_relu": _squared_relu, "xielu": _per_layer_activation}  # fmt: skip
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": partial(F.gelu, approximate="tanh"),
+                "quick_gelu": _quick_gelu, "squared_relu": _squared_relu, "xielu": _per_layer_activation}  # fmt: skip
 
 
 def _normalization(arch: ModelArch) -> str:

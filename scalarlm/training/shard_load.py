@@ -79,8 +79,8 @@ def read_plan(weights: hf_io.Weights, arch: Any, tp_rank: int, tp: int) -> dict[
             if ranges is None:
                 return None
             plan[name] = ranges
-    if getattr(arch, "tied_embeddings", False) and "lm_head.weight" in weights and "model.embed_tokens.weight" in plan:
-        plan["lm_head.weight"] = plan["model.embed_tokens.weight"]  # the converter checks a saved tied head
+    if getattr(arch, "tied_embeddings", False) and arch.hf_head in weights and arch.hf_embedding in plan:
+        plan[arch.hf_head] = plan[arch.hf_embedding]  # the converter checks a saved tied head
     return plan
 
 

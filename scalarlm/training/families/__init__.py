@@ -19,6 +19,7 @@ from scalarlm.training.families.exaone import EXAONE4
 from scalarlm.training.families.gemma import GEMMA, GEMMA2, GEMMA3
 from scalarlm.training.families.gemma import REFUSED as _REFUSED
 from scalarlm.training.families.glm import GLM, GLM4
+from scalarlm.training.families.gpt_neox import GPT_NEOX
 from scalarlm.training.families.gpt_oss import GPT_OSS
 from scalarlm.training.families.granite import GRANITE, GRANITE4, GRANITE_MOE
 from scalarlm.training.families.granite import REFUSED as _GRANITE_REFUSED
@@ -50,7 +51,7 @@ FAMILY_LIST: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, PHI3, 
                                    QWEN3_MOE, QWEN2_MOE, MIXTRAL, GRANITE, GLM, GLM4, GLM4_MOE, DEEPSEEK_V3,
                                    DEEPSEEK_V2, OLMOE, EXAONE4, ERNIE4_5, GRANITE4, GRANITE_MOE, GPT_OSS,
                                    SEED_OSS, STARCODER2, ARCEE, NEMOTRON, APERTUS,
-                                   HUNYUAN, COHERE, COHERE2)  # fmt: skip
+                                   HUNYUAN, COHERE, COHERE2, GPT_NEOX)  # fmt: skip
 FAMILIES: dict[str, Family] = {arch: f for f in FAMILY_LIST for arch in f.architectures}
 BY_NAME: dict[str, Family] = {f.name: f for f in FAMILY_LIST}
 REFUSED: dict[str, Refused] = {arch: r for r in (*_REFUSED, *_GRANITE_REFUSED) for arch in r.architectures}

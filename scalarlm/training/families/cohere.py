@@ -35,18 +35,18 @@ def _extra(config: dict[str, Any]) -> dict[str, Any]:
             "logits_divisor": 1.0 / scale}  # fmt: skip
 
 
-def _layer_types(config: dict[str, Any], layers: int) -> dict[str, Any]:
+def _layer_types(config: dict[str, Any]) -> dict[str, Any]:
     """Cohere2's config with `layer_types` as transformers derives them when the config has none (older hub configs
     carry `sliding_window_pattern`: every pattern-th layer full)."""
     if config.get("layer_types") is not None:
         return config
     pattern = int(config.get("sliding_window_pattern") or 4)
-    types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(config["num_hidden_layers"])]
     return {**config, "layer_types": types}
 
 
 def _windows(config: dict[str, Any], layers: int) -> tuple[int | None, ...]:
-    return layer_type_windows(_layer_types(config, layers), layers, True)
+    return layer_type_windows(config, layers, True)
 
 
 def _rope_layers(config: dict[str, Any], layers: int) -> tuple[bool, ...]:
@@ -72,6 +72,7 @@ COHERE2 = Family(
     parallel_block=True,
     refuse=_refuse,
     extra=_extra,
+    read_config=_layer_types,
     windows=_windows,
     rope_layers=_rope_layers,
     notes="Command R7B / Command A: Cohere's layers, sliding-window layers with RoPE, full ones without",

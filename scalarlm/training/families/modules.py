@@ -3,8 +3,8 @@
 Each is driven by one `ModelArch` field, never by the model type (Gemma 2/3, OLMo 2/3, Granite, Phi need them today):
 `norm_offset` swaps every norm for the zero-centred one: RMSNorm's `x_hat * (1 + w)` computed in fp32, or with
 `layer_norm` LayerNorm's (Nemotron's LayerNorm1P); `norm_bias` False for a LayerNorm without a bias, in fp32
-(Cohere); `parallel_block` feeds the MLP the attention's normed input (Cohere); `input_norms` False removes the norms
-before attention and the MLP;
+(Cohere); `parallel_block` feeds the MLP the layer's input, normed by attention's norm (Cohere) or its own
+(`parallel_mlp_norm`: GPT-NeoX); `input_norms` False removes the norms before attention and the MLP;
 `qk_norm_over_projection` normalises q and k over every head at once (summing the squares over TP); `activation` "xielu"
 gives each MLP its own learned activation (Apertus); `qk_norm_after_rope` moves the q/k norms after RoPE (HunYuan);
 `sandwich_norms` adds an output norm after attention and after the MLP; `residual_multiplier` scales each block's output
@@ -193,18 +193,29 @@ def apply_own_norms(model: nn.Module, arch: ModelArch, dtype: torch.dtype) -> No
     model.decoder.final_layernorm = _own_norm(arch, arch.hidden_size, dtype)
 
 
-def apply_parallel_blocks(model: nn.Module) -> None:
-    """The MLP reads the layer's normed input (what attention read) instead of megatron's norm of x + attention, so
-    the layer computes `(x + attn(norm(x))) + mlp(norm(x))`, HF's sum in HF's order; both branches' gradients reach
-    the one norm."""
+def apply_parallel_blocks(model: nn.Module, own_mlp_norm: bool) -> None:
+    """The MLP reads the layer's input instead of megatron's x + attention: through attention's norm (what attention
+    read: `(x + attn(norm(x))) + mlp(norm(x))`, Cohere's) or, with `own_mlp_norm`, through its own pre-MLP norm
+    (`(x + attn(norm1(x))) + mlp(norm2(x))`, GPT-NeoX's parallel residual); megatron's MLP residual is x + attention.
+    A hook on the input norm keeps what the MLP needs for the layer's next call (a recomputed forward refills it)."""
     for layer in model.decoder.layers:
-        normed: dict[str, Tensor] = {}
+        kept: dict[str, Tensor] = {}
+        if own_mlp_norm:
+            def keep_input(module: nn.Module, args: tuple, kept: dict[str, Tensor] = kept) -> None:
+                kept["x"] = args[0]
 
-        def keep(module: nn.Module, args: tuple, output: Tensor, normed: dict[str, Tensor] = normed) -> None:
-            normed["out"] = output
+            def layer_input(module: nn.Module, args: tuple, kept: dict[str, Tensor] = kept) -> tuple:
+                return (kept.pop("x"),)
+
+            layer.input_layernorm.register_forward_pre_hook(keep_input)
+            layer.pre_mlp_layernorm.register_forward_pre_hook(layer_input)
+            continue
+
+        def keep(module: nn.Module, args: tuple, output: Tensor, kept: dict[str, Tensor] = kept) -> None:
+            kept["out"] = output
 
         layer.input_layernorm.register_forward_hook(keep)
-        layer.pre_mlp_layernorm = ParallelMLPInput(normed)
+        layer.pre_mlp_layernorm = ParallelMLPInput(kept)
 
 
 def _normed_output(module: nn.Module, args: tuple, output: Any) -> Any:
@@ -315,7 +326,7 @@ def adapt(model: nn.Module, arch: ModelArch, dtype: torch.dtype, rope_angles) ->
     if arch.norm_offset or (arch.layer_norm and not arch.norm_bias):
         apply_own_norms(model, arch, dtype)
     if arch.parallel_block:
-        apply_parallel_blocks(model)
+        apply_parallel_blocks(model, arch.parallel_mlp_norm)
     if arch.activation == "xielu":
         apply_xielu(model, dtype)
     if arch.qk_norm_after_rope:

@@ -21,8 +21,9 @@ from scalarlm.protocol.training import ALL_LINEAR
 
 Kind = Literal["replicated", "dim0", "dim1", "qkv", "fc1"]
 ROPE_FIELD = "rope_parameters.rope_type"
-# Derived buffers some checkpoints carry; they are recomputed from the config, never trained.
-IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# Derived buffers some checkpoints carry; they are recomputed from the config, never trained (GPT-NeoX checkpoints
+# saved by older transformers also carry each layer's causal mask, `attention.bias` / `attention.masked_bias`).
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attention.bias", ".attention.masked_bias")
 # Megatron's name for a MoE layer's experts (SequentialMLP), numbered per rank: `...mlp.experts.local_experts.{j}.`.
 LOCAL_EXPERTS = "mlp.experts.local_experts."
 
@@ -37,14 +38,21 @@ class Rule:
 
 
 MLP_NAMES = ("mlp", "gate_up_proj", "down_proj")
+# HF names of the attention: its module, its fused q/k/v projection (when fused), its output projection (GPT-NeoX:
+# attention, query_key_value, dense).
+ATTENTION_NAMES = ("self_attn", "qkv_proj", "o_proj")
+# HF names of the model's embedding, its layers, the final norm and the output layer (GPT-NeoX: gpt_neox.embed_in,
+# gpt_neox.layers, gpt_neox.final_layer_norm, embed_out).
+MODEL_NAMES = ("model.embed_tokens", "model.layers", "model.norm", "lm_head")
 
 
-def hf_projections(fused_qkv: bool, fused_gate_up: bool,
-                   mlp_names: tuple[str, str, str]) -> tuple[tuple[str, ...], tuple[str, ...], str]:  # fmt: skip
-    """A dense layer's HF projections (module names, no `.weight`): attention's input (q/k/v or the fused qkv_proj),
-    the MLP's input (gate/up or the family's fused one) and the MLP's down projection."""
+def hf_projections(fused_qkv: bool, fused_gate_up: bool, mlp_names: tuple[str, str, str],
+                   attention_names: tuple[str, str, str] = ATTENTION_NAMES,
+                   ) -> tuple[tuple[str, ...], tuple[str, ...], str]:  # fmt: skip
+    """A dense layer's HF projections (module names, no `.weight`): attention's input (q/k/v or the fused one), the
+    MLP's input (gate/up or the family's fused one) and the MLP's down projection."""
     _, fused, down = mlp_names
-    attn = ("qkv_proj",) if fused_qkv else ("q_proj", "k_proj", "v_proj")
+    attn = (attention_names[1],) if fused_qkv else ("q_proj", "k_proj", "v_proj")
     return attn, ((fused,) if fused_gate_up else ("gate_proj", "up_proj")), down
 
 
@@ -125,9 +133,11 @@ class ModelArch:
     gated_mlp: bool = True
     layer_norm: bool = False  # LayerNorm (mean removed, with a bias) instead of RMSNorm everywhere (StarCoder2)
     norm_bias: bool = True  # False: that LayerNorm has a weight only, computed in fp32 (Cohere's)
-    # Attention and the MLP both read the layer's input through its one input norm and their outputs are added to it
-    # together, `x + attn(norm(x)) + mlp(norm(x))` (Cohere's parallel block; no pre-MLP norm).
+    # Attention and the MLP both read the layer's input and their outputs are added to it together: through its one
+    # input norm, `x + attn(norm(x)) + mlp(norm(x))` (Cohere's parallel block; no pre-MLP norm), or with
+    # `parallel_mlp_norm` the MLP through its own, `x + attn(norm1(x)) + mlp(norm2(x))` (GPT-NeoX's parallel residual).
     parallel_block: bool = False
+    parallel_mlp_norm: bool = False
     qk_layernorm: bool = False  # per-head q/k RMSNorm (megatron's q/k_layernorm; Qwen3, Gemma 3)
     qk_norm_names: tuple[str, str] = QK_NORM_NAMES  # their HF names
     # the per-head q/k norms apply to the rotated q and k, after RoPE (HunYuan; megatron's before: `modules`)
@@ -139,6 +149,11 @@ class ModelArch:
     # ranks hold their heads' slice of the weight and sum the squares over TP.
     qk_norm_over_projection: bool = False
     fused_qkv: bool = False  # HF holds one self_attn.qkv_proj ([q; k; v]) instead of q/k/v_proj
+    # that fused projection holds each KV group's [q; k; v] in turn, megatron's own layout (GPT-NeoX's query_key_value,
+    # per head): split over TP by rows, not regrouped
+    qkv_grouped: bool = False
+    attention_names: tuple[str, str, str] = ATTENTION_NAMES
+    model_names: tuple[str, str, str, str] = MODEL_NAMES
     # HF holds one MLP input projection: mlp.gate_up_proj ([gate; up]), or without `gated_mlp` the up one (c_fc)
     fused_gate_up: bool = False
     # HF names of the dense MLP: its module, its one input projection (with `fused_gate_up`: [gate; up], or the up
@@ -148,9 +163,9 @@ class ModelArch:
     llama3_rope: tuple[float, float, float, int] | None = None  # factor, low_freq_factor, high_freq_factor, orig_max
     rope_layers: tuple[bool, ...] = ()  # per layer: applies RoPE (empty = every layer)
     windows: tuple[int | None, ...] = ()  # per layer: sliding window as HF applies it (empty = none)
-    # of the MLP: "silu" (SwiGLU), "gelu_tanh" (GeGLU; StarCoder2's ungated GeLU), "quick_gelu" (x sigmoid(1.702 x),
-    # GPT-OSS's), "squared_relu" (relu(x) ** 2, Arcee's ungated MLP) or "xielu" (Apertus's, with learned scalars per
-    # layer: `modules.XIELU`)
+    # of the MLP: "silu" (SwiGLU), "gelu_tanh" (GeGLU; StarCoder2's ungated GeLU), "gelu" (exact, GPT-NeoX's ungated),
+    # "quick_gelu" (x sigmoid(1.702 x), GPT-OSS's), "squared_relu" (relu(x) ** 2, Arcee's ungated MLP) or "xielu"
+    # (Apertus's, with learned scalars per layer: `modules.XIELU`)
     activation: str = "silu"
     # zero-centred norms: RMSNorm's x_hat * (1 + w), computed in fp32 (Gemma); with `layer_norm` LayerNorm's (Nemotron)
     norm_offset: bool = False
@@ -228,6 +243,14 @@ class ModelArch:
         return range(rank * per_rank, (rank + 1) * per_rank)
 
     @property
+    def hf_embedding(self) -> str:
+        return self.model_names[0] + ".weight"
+
+    @property
+    def hf_head(self) -> str:
+        return self.model_names[3] + ".weight"
+
+    @property
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_kv_heads
 
@@ -279,6 +302,9 @@ class Family:
     qk_norm_over_projection: bool = False
     parallel_block: bool = False
     fused_qkv: bool = False
+    qkv_grouped: bool = False
+    attention_names: tuple[str, str, str] = ATTENTION_NAMES
+    model_names: tuple[str, str, str, str] = MODEL_NAMES
     fused_gate_up: bool = False
     mlp_names: tuple[str, str, str] = MLP_NAMES
     gated_mlp: bool = True  # False: one MLP input projection, `mlp_names`' fused one (StarCoder2's c_fc, Arcee's up)
@@ -287,6 +313,9 @@ class Family:
     rope_layers: Callable[[dict[str, Any], int], tuple[bool, ...]] = field(default=lambda config, n: ())
     refuse: Callable[[dict[str, Any]], None] = field(default=lambda config: None)
     activations: frozenset[str] = frozenset({"silu"})  # HF `hidden_act` / `hidden_activation` values accepted
+    # The config as transformers reads it, where hub configs spell fields their own way (GPT-NeoX's `rotary_pct`;
+    # Cohere2's `sliding_window_pattern`): applied before anything else reads it.
+    read_config: Callable[[dict[str, Any]], dict[str, Any]] = field(default=lambda config: config)
     # Family-specific ModelArch fields read from the config (e.g. Gemma's norms, RoPE bases); may refuse.
     extra: Callable[[dict[str, Any]], dict[str, Any]] = field(default=lambda config: {})
     sandwich_norms: bool = False
@@ -300,16 +329,19 @@ class Family:
     @property
     def lora_targets(self) -> tuple[str, ...]:
         """The HF module names (PEFT `target_modules`, what vLLM loads) this family's adapters may target."""
-        attn, mlp, down = hf_projections(self.fused_qkv, self.fused_gate_up, self.mlp_names)
-        return tuple(m for m in (*attn, "o_proj", *mlp, down) if m not in self.lora_unservable[0])
+        attn, mlp, down = hf_projections(self.fused_qkv, self.fused_gate_up, self.mlp_names, self.attention_names)
+        return tuple(m for m in (*attn, self.attention_names[2], *mlp, down) if m not in self.lora_unservable[0])
 
     @property
     def fused_lora_names(self) -> dict[str, tuple[str, ...]]:
         """HF modules this family holds in place of PEFT's usual names (`ALL_LINEAR`), and the names they stand for:
         fused projections (Phi-3's qkv_proj, gate_up_proj) and renamed ones (Granite 4.0's output_linear, StarCoder2's
-        c_fc and c_proj)."""
+        c_fc and c_proj, GPT-NeoX's query_key_value and dense)."""
         _, fused, down = self.mlp_names
-        names = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+        _, fused_qkv, o_proj = self.attention_names
+        names = {fused_qkv: ("q_proj", "k_proj", "v_proj")}
+        if o_proj != "o_proj":
+            names[o_proj] = ("o_proj",)
         if fused != "up_proj":
             names[fused] = ("gate_proj", "up_proj") if self.gated_mlp else ("up_proj",)
         return {**names, down: ("down_proj",)} if down != "down_proj" else names
@@ -463,7 +495,8 @@ def read_yarn(params: dict[str, Any], where: str, max_position_embeddings: int,
     return factor, beta_fast, beta_slow, original, float(attention), truncate
 
 
-ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu2": "squared_relu", "xielu": "xielu"}
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu2": "squared_relu", "xielu": "xielu",
+               "gelu": "gelu"}  # fmt: skip
 
 
 def _activation(config: dict[str, Any], family: Family) -> str:
@@ -508,6 +541,7 @@ def read_arch(config: dict[str, Any], tensor_names: Iterable[str], families: dic
             f"supported: {sorted(families)}",
             param="model",
         )
+    config = family.read_config(config)
     _refuse_common(config, family.qkv_bias_from_weights)
     family.refuse(config)
     activation = _activation(config, family)
@@ -517,7 +551,9 @@ def read_arch(config: dict[str, Any], tensor_names: Iterable[str], families: dic
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
     layers = int(config["num_hidden_layers"])
-    qkv_bias = family.qkv_bias_from_weights and "model.layers.0.self_attn.q_proj.bias" in names
+    qkv = hf_projections(family.fused_qkv, family.fused_gate_up, family.mlp_names, family.attention_names)[0]
+    first_qkv_bias = f"{family.model_names[1]}.0.{family.attention_names[0]}.{qkv[0]}.bias"
+    qkv_bias = family.qkv_bias_from_weights and first_qkv_bias in names
     arch = ModelArch(
         family=family.name,
         vocab_size=int(config["vocab_size"]),
@@ -545,7 +581,10 @@ def read_arch(config: dict[str, Any], tensor_names: Iterable[str], families: dic
         activation=extra.pop("activation", activation),  # GPT-OSS: its experts' own, whatever hidden_act says
         sandwich_norms=family.sandwich_norms,
         input_norms=family.input_norms,
-        parallel_block=family.parallel_block,
+        parallel_block=extra.pop("parallel_block", family.parallel_block),  # GPT-NeoX: per config
+        qkv_grouped=family.qkv_grouped,
+        attention_names=family.attention_names,
+        model_names=family.model_names,
         rotary_interleaved=family.rotary_interleaved,
         norm_names=family.norm_names,
         input_norm_names=family.input_norm_names,
@@ -562,29 +601,32 @@ def read_arch(config: dict[str, Any], tensor_names: Iterable[str], families: dic
 
 def rules(arch: ModelArch) -> Iterator[Rule]:
     """Every parameter of the megatron model and its HF source tensors."""
-    yield Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "dim0")
+    embedding, layers, final_norm, _ = arch.model_names
+    attention, _, o_proj = arch.attention_names
+    qkv_kind = "dim0" if arch.qkv_grouped else "qkv"  # already megatron's per-group layout: TP rows as they are
+    yield Rule("embedding.word_embeddings.weight", (arch.hf_embedding,), "dim0")
     for i in range(arch.num_layers):
-        hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
-        attn, mlp = hf + "self_attn.", f"{hf}{arch.mlp_names[0]}."
-        qkv, fc1, fc2 = hf_projections(arch.fused_qkv, arch.fused_gate_up, arch.mlp_names)
+        hf, mc = f"{layers}.{i}.", f"decoder.layers.{i}."
+        attn, mlp = f"{hf}{attention}.", f"{hf}{arch.mlp_names[0]}."
+        qkv, fc1, fc2 = hf_projections(arch.fused_qkv, arch.fused_gate_up, arch.mlp_names, arch.attention_names)
         pre_attention, pre_mlp_norm = arch.input_norm_names
         if arch.input_norms:
             yield from _norm_rules(arch, mc + "input_layernorm", hf + pre_attention)
         if arch.mla:
             yield from _latent_attention_rules(arch.mla, attn, mc + "self_attention.")
         else:
-            yield Rule(mc + "self_attention.linear_qkv.weight", tuple(f"{attn}{p}.weight" for p in qkv), "qkv")
+            yield Rule(mc + "self_attention.linear_qkv.weight", tuple(f"{attn}{p}.weight" for p in qkv), qkv_kind)
         if arch.qkv_bias:
-            yield Rule(mc + "self_attention.linear_qkv.bias", tuple(f"{attn}{p}_proj.bias" for p in "qkv"), "qkv")
+            yield Rule(mc + "self_attention.linear_qkv.bias", tuple(f"{attn}{p}.bias" for p in qkv), qkv_kind)
         if arch.qk_layernorm or arch.qk_norm_over_projection:
             kind = "dim0" if arch.qk_norm_over_projection else "replicated"  # each TP rank: its heads' slice
             where = mc + ("self_attention.core_attention." if arch.qk_norm_after_rope else "self_attention.")
             q_norm, k_norm = arch.qk_norm_names
             yield Rule(where + "q_layernorm.weight", (f"{attn}{q_norm}.weight",), kind)
             yield Rule(where + "k_layernorm.weight", (f"{attn}{k_norm}.weight",), kind)
-        yield Rule(mc + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "dim1")
+        yield Rule(mc + "self_attention.linear_proj.weight", (f"{attn}{o_proj}.weight",), "dim1")
         if arch.linear_bias:  # added once, after the TP ranks' partial outputs are summed
-            yield Rule(mc + "self_attention.linear_proj.bias", (attn + "o_proj.bias",), "replicated")
+            yield Rule(mc + "self_attention.linear_proj.bias", (f"{attn}{o_proj}.bias",), "replicated")
         if arch.attention_sinks:  # one per head: each TP rank its heads'
             yield Rule(mc + "self_attention.core_attention.softmax_offset", (attn + "sinks",), "dim0")
         if arch.sandwich_norms:  # Gemma's and OLMo's post_attention_layernorm is an output norm, not the pre-MLP one
@@ -593,7 +635,7 @@ def rules(arch: ModelArch) -> Iterator[Rule]:
             if arch.input_norms:
                 yield Rule(mc + "pre_mlp_layernorm.weight", (f"{hf}{pre_mlp}.weight",), "replicated")
             yield Rule(mc + "mlp.post_norm.weight", (f"{hf}{mlp_out}.weight",), "replicated")
-        elif not arch.parallel_block:
+        elif not arch.parallel_block or arch.parallel_mlp_norm:
             yield from _norm_rules(arch, mc + "pre_mlp_layernorm", hf + pre_mlp_norm)
         if arch.is_moe(i):
             yield from _expert_rules(arch, hf, mc)
@@ -607,9 +649,9 @@ def rules(arch: ModelArch) -> Iterator[Rule]:
             if arch.linear_bias:
                 yield Rule(mc + "mlp.linear_fc1.bias", tuple(f"{mlp}{p}.bias" for p in fc1), up)
                 yield Rule(mc + "mlp.linear_fc2.bias", (f"{mlp}{fc2}.bias",), "replicated")
-    yield from _norm_rules(arch, "decoder.final_layernorm", "model.norm")
+    yield from _norm_rules(arch, "decoder.final_layernorm", final_norm)
     if not arch.tied_embeddings:
-        yield Rule("output_layer.weight", ("lm_head.weight",), "dim0")
+        yield Rule("output_layer.weight", (arch.hf_head,), "dim0")
 
 
 def _norm_rules(arch: ModelArch, mc: str, hf: str) -> Iterator[Rule]:
@@ -677,8 +719,8 @@ def tolerated(arch: ModelArch, name: str) -> bool:
     """HF tensors no rule maps that are still safe to skip: derived RoPE buffers, a tied model's saved lm_head
     (the converter checks it equals the embedding), the multi-token-prediction layers after the last one (GLM-4.5's
     `num_nextn_predict_layers`: transformers does not load them; a published checkpoint has none)."""
-    mtp = tuple(f"model.layers.{i}." for i in range(arch.num_layers, arch.num_layers + arch.mtp_layers))
-    return name.endswith(IGNORED_SUFFIXES) or (arch.tied_embeddings and name == "lm_head.weight") or \
+    mtp = tuple(f"{arch.model_names[1]}.{i}." for i in range(arch.num_layers, arch.num_layers + arch.mtp_layers))
+    return name.endswith(IGNORED_SUFFIXES) or (arch.tied_embeddings and name == arch.hf_head) or \
         bool(mtp and name.startswith(mtp))  # fmt: skip
 
 

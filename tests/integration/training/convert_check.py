@@ -131,7 +131,8 @@ def grad_diff(model, ref, arch, ids: torch.Tensor, causal: torch.Tensor) -> floa
     weights = torch.randn(*ids.shape, arch.vocab_size, generator=torch.Generator().manual_seed(1))
     (model(ids, torch.arange(ids.shape[1]).expand(*ids.shape), causal) * weights).sum().backward()
     (ref(ids).logits * weights).sum().backward()
-    theirs = {name: p.grad for name, p in ref.named_parameters()}  # a tied head is the embedding's (named once)
+    # a tied head is the embedding's (named once); transformers 5 loads GPT-NeoX's `embed_out` as `lm_head`
+    theirs = {arch.hf_head if name == "lm_head.weight" else name: p.grad for name, p in ref.named_parameters()}
     buffers = {name: torch.zeros_like(b) for name, b in ref.named_buffers() if name in ref.state_dict()}
     try:
         mapped = hf_to_mcore({**buffers, **theirs}, arch)

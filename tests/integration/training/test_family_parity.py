@@ -78,9 +78,10 @@ def test_every_family_has_a_tiny_model(family_models: dict[str, Path]) -> None:
 
 
 # The dropouts a tiny model's checkpoint trains with, applied in one training-mode forward (its 2 layers): Seed-OSS's
-# 0.1 on the attention probabilities and on both residual branches (none on the embeddings); StarCoder2's also on the
-# embeddings.
-DROPOUTS = {"seed-oss": {"attention 0.1": 2, "hidden 0.1": 4}, "starcoder2": {"attention 0.1": 2, "hidden 0.1": 5}}
+# 0.1 on the attention probabilities and on both residual branches (none on the embeddings); StarCoder2's and
+# GPT-NeoX's (`hidden_dropout`) also on the embeddings.
+DROPOUTS = {"seed-oss": {"attention 0.1": 2, "hidden 0.1": 4}, "starcoder2": {"attention 0.1": 2, "hidden 0.1": 5},
+            "gpt-neox-sequential": {"attention 0.1": 2, "hidden 0.1": 5}}  # fmt: skip
 
 
 @pytest.mark.parametrize("tp", TPS)
@@ -130,7 +131,9 @@ def test_lora_matches_peft(lora, family_models: dict[str, Path], model: str, tp:
     assert r["base_diff"] <= tolerance, r  # adapters disabled = the base model (the KL reference)
     # the adapter really changes the logits, far beyond the bound (Granite's logits / 16 move the least: 0.029)
     assert r["lora_effect"] > 100 * tolerance, r
-    if model_arch(family_models[model]).fused_qkv:
+    if model.startswith("gpt-neox"):  # PEFT's names for its modules (vLLM's Transformers backend loads them)
+        assert r["target_modules"] == ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"], r
+    elif model_arch(family_models[model]).fused_qkv:
         assert r["target_modules"] == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # what vLLM loads
     if model == "granite4":  # Granite 4.0's MLP modules, under their own names (what vLLM loads and PEFT wraps)
         assert r["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "input_linear", "output_linear"], r

@@ -33,6 +33,7 @@ def arch_of(architecture: str = "LlamaForCausalLM", **changes) -> ModelArch:
 
 def _names_for(config: dict) -> list[str]:
     family = FAMILIES.get(config["architectures"][0], BY_NAME["llama"])
+    config = family.read_config(config)
     tied = bool(config.get("tie_word_embeddings"))
     extra = family.extra(config)  # StarCoder2: its norms' and linears' biases
     shape = ModelArch(family=family.name, vocab_size=1, hidden_size=1, num_layers=config["num_hidden_layers"],
@@ -44,11 +45,13 @@ def _names_for(config: dict) -> list[str]:
                       activation=ACTIVATIONS.get(config.get("hidden_act"), "silu"),  # Apertus: xIELU's scalars
                       sandwich_norms=family.sandwich_norms, input_norms=family.input_norms,
                       qk_norm_over_projection=family.qk_norm_over_projection, norm_names=family.norm_names,
-                      parallel_block=family.parallel_block,
+                      parallel_block=extra.pop("parallel_block", family.parallel_block),
+                      qkv_grouped=family.qkv_grouped,
+                      attention_names=family.attention_names, model_names=family.model_names,
                       qkv_bias=family.qkv_bias_from_weights and bool(config.get("attention_bias") or
                                                                       config.get("use_bias")),
                       **{k: v for k, v in extra.items()
-                         if k in ("layer_norm", "norm_bias", "linear_bias")})  # fmt: skip
+                         if k in ("layer_norm", "norm_bias", "linear_bias", "parallel_mlp_norm")})  # fmt: skip
     return hf_tensor_names(shape)
 
 
@@ -64,7 +67,7 @@ def test_registry_names_every_family_once() -> None:
                                             "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
                                             "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4",
                                             "granitemoe", "gpt_oss", "seed_oss", "starcoder2", "arcee", "nemotron",
-                                            "apertus", "hunyuan", "cohere", "cohere2"}
+                                            "apertus", "hunyuan", "cohere", "cohere2", "gpt_neox"}
     assert all(FAMILIES[a] is f for f in FAMILY_LIST for a in f.architectures)
 
 
@@ -417,6 +420,36 @@ def test_cohere2_derives_its_layer_types_and_leaves_rope_out_of_the_full_layers(
     assert arch_of("Cohere2ForCausalLM", **{**COMMAND_R7B, "sliding_window": None}).rope_layers == (False,) * 8
     with pytest.raises(InvalidRequest, match="layer_types has 2 entries for 8 layers"):
         arch_of("Cohere2ForCausalLM", **{**COMMAND_R7B, "layer_types": types[:2]})
+
+
+# Pythia-1b's fields as its hub config writes them (transformers 4.24: `rotary_pct`, `rotary_emb_base`; no
+# `attention_bias`, which transformers takes as true).
+PYTHIA = {"hidden_act": "gelu", "layer_norm_eps": 1e-5, "rotary_pct": 0.25, "rotary_emb_base": 10000,
+          "num_key_value_heads": None, "rms_norm_eps": None, "use_parallel_residual": True,
+          "max_position_embeddings": 2048}  # fmt: skip
+
+
+def test_gpt_neox_reads_pythias_names_its_parallel_residual_and_partial_rope() -> None:
+    arch = arch_of("GPTNeoXForCausalLM", **PYTHIA)
+    assert arch.family == "gpt_neox" and arch.parallel_block and arch.parallel_mlp_norm and arch.layer_norm
+    assert (arch.rotary_fraction, arch.rope_theta, arch.activation, arch.num_kv_heads) == (0.25, 10000, "gelu", 4)
+    assert arch.qkv_bias and arch.linear_bias and arch.fused_qkv and arch.qkv_grouped and not arch.gated_mlp
+    names = {r.mcore: (r.hf, r.kind) for r in rules(arch)}
+    assert names["embedding.word_embeddings.weight"] == (("gpt_neox.embed_in.weight",), "dim0")
+    assert names["output_layer.weight"] == (("embed_out.weight",), "dim0")
+    assert names["decoder.layers.1.self_attention.linear_qkv.bias"] == (
+        ("gpt_neox.layers.1.attention.query_key_value.bias",), "dim0")  # per head [q; k; v]: megatron's layout
+    assert names["decoder.layers.0.pre_mlp_layernorm.bias"] == (("gpt_neox.layers.0.post_attention_layernorm.bias",),
+                                                                 "replicated")  # fmt: skip
+    assert names["decoder.final_layernorm.weight"][0] == ("gpt_neox.final_layer_norm.weight",)
+    assert lora_targets(BY_NAME["gpt_neox"], ALL_LINEAR) == ["query_key_value", "dense", "dense_h_to_4h",
+                                                            "dense_4h_to_h"]  # fmt: skip
+    sequential = arch_of("GPTNeoXForCausalLM", **{**PYTHIA, "use_parallel_residual": False, "hidden_dropout": 0.1})
+    assert not sequential.parallel_block and (sequential.hidden_dropout, sequential.embedding_dropout) == (0.1, 0.1)
+    with pytest.raises(InvalidRequest, match="attention_bias=false is not supported for gpt_neox"):
+        arch_of("GPTNeoXForCausalLM", **{**PYTHIA, "attention_bias": False})
+    with pytest.raises(InvalidRequest, match="hidden_act 'gelu_fast' is not supported for gpt_neox"):
+        arch_of("GPTNeoXForCausalLM", **{**PYTHIA, "hidden_act": "gelu_fast"})
 
 
 def test_phi3_trains_with_its_residual_dropout_as_transformers_applies_it() -> None:

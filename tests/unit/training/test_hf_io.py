@@ -80,11 +80,11 @@ def test_publish_keeps_base_names_no_rule_produces(tmp_path: Path) -> None:
             "model.layers.0.self_attn.rotary_emb.inv_freq": inv_freq}  # fmt: skip
     hf_io.save_safetensors(tmp_path, base)
     trained = {"model.embed_tokens.weight": embed + 1}
-    out = keep_source_names(trained, tmp_path, tied=True)
+    out = keep_source_names(trained, tmp_path, tied=("lm_head.weight", "model.embed_tokens.weight"))
     assert set(out) == set(base)
     assert torch.equal(out["lm_head.weight"], embed + 1) and out["lm_head.weight"].data_ptr() != embed.data_ptr()
     assert torch.equal(out["model.layers.0.self_attn.rotary_emb.inv_freq"], inv_freq)
-    assert keep_source_names(trained, tmp_path, tied=False).keys() == set(base) - {"lm_head.weight"}
+    assert keep_source_names(trained, tmp_path, tied=None).keys() == set(base) - {"lm_head.weight"}
 
 
 def test_an_entry_of_a_stacked_tensor_reads_only_its_slice(tmp_path: Path) -> None:
