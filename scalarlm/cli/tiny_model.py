@@ -24,12 +24,12 @@ FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "
             "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
             "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4", "granitemoe", "gpt_oss",
             "seed_oss", "starcoder2", "arcee", "nemotron", "apertus", "hunyuan", "cohere", "cohere2",
-            "gpt_neox")  # fmt: skip
+            "gpt_neox", "phi")  # fmt: skip
 Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3",
                  "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe",
                  "deepseek_v3", "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4", "granitemoe",
                  "gpt_oss", "seed_oss", "starcoder2", "arcee", "nemotron", "apertus", "hunyuan", "cohere",
-                 "cohere2", "gpt_neox"]  # fmt: skip
+                 "cohere2", "gpt_neox", "phi"]  # fmt: skip
 # Mixture-of-experts tiny models: 4 experts, 2 per token, each expert's intermediate size hidden / 2.
 TINY_EXPERTS, TINY_TOPK = 4, 2
 # Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3, Gemma).
@@ -270,6 +270,15 @@ def _family_config(
                 "high_freq_factor": 4.0, "original_max_position_embeddings": max(64, max_position // 8)}  # fmt: skip
         return transformers.ApertusConfig(head_dim=head_dim, hidden_act="xielu", attention_bias=False, mlp_bias=False,
                                           rope_parameters=rope, **common)  # fmt: skip
+    if family == "phi":
+        # phi-2's fields (multi-head attention of 80-dim heads, RoPE on 0.4 of them, one LayerNorm before attention
+        # and the MLP in parallel, biases everywhere and on lm_head, tanh GeLU, 4x MLP, untied; resid_pdrop 0.1).
+        fields = {k: v for k, v in common.items() if k != "rms_norm_eps"}
+        return transformers.PhiConfig(layer_norm_eps=1e-5, hidden_act="gelu_new", resid_pdrop=0.1, embd_pdrop=0.0,
+                                      attention_dropout=0.0, qk_layernorm=False,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                       "partial_rotary_factor": 0.4},
+                                      **{**fields, "intermediate_size": 4 * hidden})  # fmt: skip
     if family == "gpt_neox":
         # Pythia's fields (multi-head attention through the fused per-head query_key_value, RoPE on a quarter of each
         # head, the parallel residual with two LayerNorms, biases everywhere, exact GeLU, 4x MLP, untied embed_out).
@@ -561,6 +570,7 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
     "hunyuan": dict(family="hunyuan", hidden=256, heads=4, kv_heads=2, seed=39),
     "cohere": dict(family="cohere", hidden=256, heads=4, kv_heads=2, seed=40),
     "cohere2": dict(family="cohere2", hidden=256, heads=4, kv_heads=2, seed=41),
+    "phi": dict(family="phi", hidden=320, heads=4, kv_heads=4, seed=44),  # phi-2's 80-dim heads (RoPE on 32)
     "gpt-neox": dict(family="gpt_neox", hidden=256, heads=4, kv_heads=4, seed=42),  # Pythia's multi-head attention
     # GPT-NeoX's sequential layer (`use_parallel_residual` false: attention, then the MLP on its output), trained with
     # GPT-NeoX's dropouts (on the embeddings, both residual branches and the attention probabilities).

@@ -8,7 +8,8 @@ Each is driven by one `ModelArch` field, never by the model type (Gemma 2/3, OLM
 `qk_norm_over_projection` normalises q and k over every head at once (summing the squares over TP); `activation` "xielu"
 gives each MLP its own learned activation (Apertus); `qk_norm_after_rope` moves the q/k norms after RoPE (HunYuan);
 `sandwich_norms` adds an output norm after attention and after the MLP; `residual_multiplier` scales each block's output
-before the residual add; `embedding_multiplier` scales the embeddings; `logits_divisor` divides the output logits;
+before the residual add; `embedding_multiplier` scales the embeddings; `output_bias` gives the output layer a bias
+(Phi); `logits_divisor` divides the output logits;
 `local_rope_theta` gives the sliding-window layers their own RoPE base; `longrope` scales q and k's rotated dims by its
 attention factor; `final_logit_softcap` soft-caps the logits. Parameter names stay megatron's (plus
 `self_attention.post_norm` / `mlp.post_norm`, `mlp.activation_func.*`), so the converter's rules name them.
@@ -292,6 +293,12 @@ def apply_residual_multiplier(model: nn.Module, arch: ModelArch) -> None:
             module.register_forward_hook(hook)
 
 
+def apply_output_bias(model: nn.Module, dtype: torch.dtype) -> None:
+    """A bias on the output layer (megatron builds it without): this TP rank's vocabulary's, added by the layer."""
+    layer = model.output_layer
+    layer.bias = nn.Parameter(torch.zeros(layer.output_size_per_partition, dtype=dtype))
+
+
 def apply_logits_divisor(model: nn.Module, arch: ModelArch) -> None:
     """Output logits divided by `logits_divisor` (element-wise: also on a TP rank's vocabulary shard)."""
     divisor = arch.logits_divisor
@@ -341,6 +348,8 @@ def adapt(model: nn.Module, arch: ModelArch, dtype: torch.dtype, rope_angles) ->
         apply_local_rope(model, arch, rope_angles)
     if arch.longrope is not None:
         apply_rope_attention_factor(model, arch)
+    if arch.output_bias:
+        apply_output_bias(model, dtype)
     if arch.logits_divisor is not None:
         apply_logits_divisor(model, arch)
     if arch.final_logit_softcap is not None:

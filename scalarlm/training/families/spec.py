@@ -192,6 +192,7 @@ class ModelArch:
     final_logit_softcap: float | None = None  # output logits -> cap * tanh(logits / cap) (Gemma 2)
     residual_multiplier: float | None = None  # attention and MLP outputs scaled by it before the residual add (Granite)
     logits_divisor: float | None = None  # output logits divided by it (Granite's `logits_scaling`)
+    output_bias: bool = False  # the output layer has a bias (Phi's `lm_head.bias`; each TP rank its vocabulary's)
     # Mixture of experts (0 experts = dense): routed experts per MoE layer, experts per token, each expert's
     # intermediate size, whether the top-k probabilities are renormalised to sum 1 (HF `norm_topk_prob`; Mixtral
     # always), which layers are MoE (empty = every layer) and the HF names (block, router, gate, up, down).
@@ -496,7 +497,7 @@ def read_yarn(params: dict[str, Any], where: str, max_position_embeddings: int,
 
 
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu2": "squared_relu", "xielu": "xielu",
-               "gelu": "gelu"}  # fmt: skip
+               "gelu": "gelu", "gelu_new": "gelu_tanh"}  # fmt: skip
 
 
 def _activation(config: dict[str, Any], family: Family) -> str:
@@ -652,6 +653,8 @@ def rules(arch: ModelArch) -> Iterator[Rule]:
     yield from _norm_rules(arch, "decoder.final_layernorm", final_norm)
     if not arch.tied_embeddings:
         yield Rule("output_layer.weight", (arch.hf_head,), "dim0")
+    if arch.output_bias:
+        yield Rule("output_layer.bias", (arch.model_names[3] + ".bias",), "dim0")
 
 
 def _norm_rules(arch: ModelArch, mc: str, hf: str) -> Iterator[Rule]:

@@ -30,7 +30,7 @@ FAMILIES = ["qwen3", "qwen3-yarn", "llama3", "phi3", "phi4-mini", "smollm3", "mi
             "olmo2", "olmo3", "exaone4", "ernie4.5", "granite", "granite4", "glm", "glm4", "qwen3-moe", "qwen2-moe",
             "mixtral", "glm4-moe", "deepseek-v3", "moonlight", "deepseek-v2-lite", "olmoe", "granite-moe",
             "gpt-oss", "seed-oss", "starcoder2", "arcee", "nemotron", "apertus", "hunyuan",
-            "cohere2", "gpt-neox"]  # fmt: skip
+            "cohere2", "gpt-neox", "phi"]  # fmt: skip
 # (cohere: vLLM serves it with cohere2's module, its layers without the windows; test_family_parity checks its training)
 # LoRA refused (no MoE adapter rule yet)
 MOE = {"qwen3-moe", "qwen2-moe", "mixtral", "glm4-moe", "deepseek-v3", "moonlight", "deepseek-v2-lite", "olmoe",

@@ -79,9 +79,9 @@ def test_every_family_has_a_tiny_model(family_models: dict[str, Path]) -> None:
 
 # The dropouts a tiny model's checkpoint trains with, applied in one training-mode forward (its 2 layers): Seed-OSS's
 # 0.1 on the attention probabilities and on both residual branches (none on the embeddings); StarCoder2's and
-# GPT-NeoX's (`hidden_dropout`) also on the embeddings.
+# GPT-NeoX's (`hidden_dropout`) also on the embeddings; phi-2's `resid_pdrop` on both branches.
 DROPOUTS = {"seed-oss": {"attention 0.1": 2, "hidden 0.1": 4}, "starcoder2": {"attention 0.1": 2, "hidden 0.1": 5},
-            "gpt-neox-sequential": {"attention 0.1": 2, "hidden 0.1": 5}}  # fmt: skip
+            "gpt-neox-sequential": {"attention 0.1": 2, "hidden 0.1": 5}, "phi": {"hidden 0.1": 4}}  # fmt: skip
 
 
 @pytest.mark.parametrize("tp", TPS)
@@ -133,6 +133,8 @@ def test_lora_matches_peft(lora, family_models: dict[str, Path], model: str, tp:
     assert r["lora_effect"] > 100 * tolerance, r
     if model.startswith("gpt-neox"):  # PEFT's names for its modules (vLLM's Transformers backend loads them)
         assert r["target_modules"] == ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"], r
+    elif model == "phi":
+        assert r["target_modules"] == ["q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"], r
     elif model_arch(family_models[model]).fused_qkv:
         assert r["target_modules"] == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # what vLLM loads
     if model == "granite4":  # Granite 4.0's MLP modules, under their own names (what vLLM loads and PEFT wraps)

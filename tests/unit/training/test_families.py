@@ -50,8 +50,8 @@ def _names_for(config: dict) -> list[str]:
                       attention_names=family.attention_names, model_names=family.model_names,
                       qkv_bias=family.qkv_bias_from_weights and bool(config.get("attention_bias") or
                                                                       config.get("use_bias")),
-                      **{k: v for k, v in extra.items()
-                         if k in ("layer_norm", "norm_bias", "linear_bias", "parallel_mlp_norm")})  # fmt: skip
+                      **{k: v for k, v in extra.items() if k in ("layer_norm", "norm_bias", "linear_bias",
+                                                                 "parallel_mlp_norm", "output_bias")})  # fmt: skip
     return hf_tensor_names(shape)
 
 
@@ -67,7 +67,7 @@ def test_registry_names_every_family_once() -> None:
                                             "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
                                             "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4",
                                             "granitemoe", "gpt_oss", "seed_oss", "starcoder2", "arcee", "nemotron",
-                                            "apertus", "hunyuan", "cohere", "cohere2", "gpt_neox"}
+                                            "apertus", "hunyuan", "cohere", "cohere2", "gpt_neox", "phi"}
     assert all(FAMILIES[a] is f for f in FAMILY_LIST for a in f.architectures)
 
 
@@ -450,6 +450,28 @@ def test_gpt_neox_reads_pythias_names_its_parallel_residual_and_partial_rope() -
         arch_of("GPTNeoXForCausalLM", **{**PYTHIA, "attention_bias": False})
     with pytest.raises(InvalidRequest, match="hidden_act 'gelu_fast' is not supported for gpt_neox"):
         arch_of("GPTNeoXForCausalLM", **{**PYTHIA, "hidden_act": "gelu_fast"})
+
+
+# phi-2's fields as its hub config writes them (transformers 4.37).
+PHI2 = {"hidden_act": "gelu_new", "layer_norm_eps": 1e-5, "partial_rotary_factor": 0.4, "rope_theta": 10000.0,
+        "resid_pdrop": 0.1, "embd_pdrop": 0.0, "attention_dropout": 0.0, "qk_layernorm": False, "head_dim": None,
+        "num_key_value_heads": 4, "hidden_size": 320, "rms_norm_eps": None}  # fmt: skip
+
+
+def test_phi_reads_a_parallel_block_on_one_layer_norm_biases_and_the_output_bias() -> None:
+    arch = arch_of("PhiForCausalLM", **PHI2)
+    assert arch.family == "phi" and arch.parallel_block and not arch.parallel_mlp_norm and arch.layer_norm
+    assert arch.qkv_bias and arch.linear_bias and arch.output_bias and not arch.gated_mlp
+    assert (arch.rotary_fraction, arch.activation, arch.head_dim, arch.hidden_dropout) == (0.4, "gelu_tanh", 80, 0.1)
+    names = {r.mcore: r.hf for r in rules(arch)}
+    assert names["output_layer.bias"] == ("lm_head.bias",) and names["decoder.final_layernorm.bias"] == (
+        "model.final_layernorm.bias",)
+    assert names["decoder.layers.0.self_attention.linear_proj.bias"] == ("model.layers.0.self_attn.dense.bias",)
+    assert names["decoder.layers.1.mlp.linear_fc1.weight"] == ("model.layers.1.mlp.fc1.weight",)
+    assert not any("pre_mlp_layernorm" in name for name in names)  # one norm per layer
+    assert lora_targets(BY_NAME["phi"], ALL_LINEAR) == ["q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"]
+    with pytest.raises(InvalidRequest, match="qk_layernorm=true .* is not supported for phi"):
+        arch_of("PhiForCausalLM", **{**PHI2, "qk_layernorm": True})
 
 
 def test_phi3_trains_with_its_residual_dropout_as_transformers_applies_it() -> None:
