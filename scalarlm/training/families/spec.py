@@ -602,7 +602,7 @@ def read_arch(config: dict[str, Any], tensor_names: Iterable[str], families: dic
 
 def rules(arch: ModelArch) -> Iterator[Rule]:
     """Every parameter of the megatron model and its HF source tensors."""
-    embedding, layers, final_norm, _ = arch.model_names
+    _, layers, final_norm, _ = arch.model_names
     attention, _, o_proj = arch.attention_names
     qkv_kind = "dim0" if arch.qkv_grouped else "qkv"  # already megatron's per-group layout: TP rows as they are
     yield Rule("embedding.word_embeddings.weight", (arch.hf_embedding,), "dim0")
