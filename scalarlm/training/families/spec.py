@@ -821,7 +821,8 @@ def lora_targets(family: Family, target_modules: Iterable[str]) -> list[str]:
     unservable, why = family.lora_unservable
     if requested == set(ALL_LINEAR):  # the default: every module an adapter of this family can be served on
         requested -= {part for fused in unservable for part in (fused, *fused_names.get(fused, ()))}
-        requested -= set() if family.gated_mlp else {"gate_proj"}  # an ungated MLP has none
+    if not family.gated_mlp and requested >= {"gate_proj", "up_proj", "down_proj"}:
+        requested -= {"gate_proj"}  # the whole MLP in PEFT's names (the default, Tinker's train_mlp): an ungated one's
     for fused in unservable:
         if named := sorted(requested & {fused, *fused_names.get(fused, ())}):
             raise InvalidRequest(f"lora_config.target_modules {named}: not supported for {family.name}: {why}",

@@ -272,10 +272,15 @@ def test_starcoder2_reads_layer_norms_an_ungated_mlp_biases_windows_and_dropouts
 
 def test_an_ungated_mlp_takes_lora_on_its_own_two_projections() -> None:
     # PEFT's names for StarCoder2's (c_fc, c_proj) and Arcee's (up_proj, down_proj) MLP; the default targets' gate_proj
-    # has nothing to adapt there and is left out, naming it is refused
+    # has nothing to adapt there and is left out, as where the whole MLP is named (Tinker's train_mlp); naming it
+    # without the rest of the MLP is refused
     starcoder2, arcee = BY_NAME["starcoder2"], BY_NAME["arcee"]
     attn = ["q_proj", "k_proj", "v_proj", "o_proj"]
     assert lora_targets(starcoder2, ALL_LINEAR) == [*attn, "c_fc", "c_proj"]
+    mlp = ["gate_proj", "up_proj", "down_proj"]
+    assert lora_targets(starcoder2, mlp) == ["c_fc", "c_proj"] and lora_targets(arcee, mlp) == ["up_proj", "down_proj"]
+    assert lora_targets(BY_NAME["gpt_neox"], mlp) == ["dense_h_to_4h", "dense_4h_to_h"]
+    assert lora_targets(BY_NAME["phi"], mlp) == ["fc1", "fc2"]
     assert lora_targets(starcoder2, ["up_proj", "down_proj"]) == ["c_fc", "c_proj"]
     assert lora_targets(starcoder2, ["c_fc", "q_proj"]) == ["q_proj", "c_fc"]
     assert lora_targets(arcee, ALL_LINEAR) == [*attn, "up_proj", "down_proj"]
