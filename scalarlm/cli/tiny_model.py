@@ -24,12 +24,12 @@ FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "
             "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
             "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4", "granitemoe", "gpt_oss",
             "seed_oss", "starcoder2", "arcee", "nemotron", "apertus", "hunyuan", "cohere", "cohere2",
-            "gpt_neox", "phi")  # fmt: skip
+            "gpt_neox", "phi", "stablelm")  # fmt: skip
 Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3",
                  "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe",
                  "deepseek_v3", "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4", "granitemoe",
                  "gpt_oss", "seed_oss", "starcoder2", "arcee", "nemotron", "apertus", "hunyuan", "cohere",
-                 "cohere2", "gpt_neox", "phi"]  # fmt: skip
+                 "cohere2", "gpt_neox", "phi", "stablelm"]  # fmt: skip
 # Mixture-of-experts tiny models: 4 experts, 2 per token, each expert's intermediate size hidden / 2.
 TINY_EXPERTS, TINY_TOPK = 4, 2
 # Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3, Gemma).
@@ -270,6 +270,14 @@ def _family_config(
                 "high_freq_factor": 4.0, "original_max_position_embeddings": max(64, max_position // 8)}  # fmt: skip
         return transformers.ApertusConfig(head_dim=head_dim, hidden_act="xielu", attention_bias=False, mlp_bias=False,
                                           rope_parameters=rope, **common)  # fmt: skip
+    if family == "stablelm":
+        # stablelm-2-1_6b's fields: multi-head attention with q/k/v biases, RoPE on a quarter of each head, LayerNorms,
+        # the sequential layer, SwiGLU without biases, untied.
+        fields = {k: v for k, v in common.items() if k != "rms_norm_eps"}
+        return transformers.StableLmConfig(layer_norm_eps=1e-5, use_qkv_bias=True, qk_layernorm=False,
+                                           use_parallel_residual=False, hidden_dropout=0.0, attention_dropout=0.0,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                            "partial_rotary_factor": 0.25}, **fields)  # fmt: skip
     if family == "phi":
         # phi-2's fields (multi-head attention of 80-dim heads, RoPE on 0.4 of them, one LayerNorm before attention
         # and the MLP in parallel, biases everywhere and on lm_head, tanh GeLU, 4x MLP, untied; resid_pdrop 0.1).
@@ -570,6 +578,7 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
     "hunyuan": dict(family="hunyuan", hidden=256, heads=4, kv_heads=2, seed=39),
     "cohere": dict(family="cohere", hidden=256, heads=4, kv_heads=2, seed=40),
     "cohere2": dict(family="cohere2", hidden=256, heads=4, kv_heads=2, seed=41),
+    "stablelm": dict(family="stablelm", hidden=256, heads=4, kv_heads=4, seed=45),
     "phi": dict(family="phi", hidden=320, heads=4, kv_heads=4, seed=44),  # phi-2's 80-dim heads (RoPE on 32)
     "gpt-neox": dict(family="gpt_neox", hidden=256, heads=4, kv_heads=4, seed=42),  # Pythia's multi-head attention
     # GPT-NeoX's sequential layer (`use_parallel_residual` false: attention, then the MLP on its output), trained with

@@ -22,6 +22,7 @@ from scalarlm.inference.vllm_api import (
     UsageContext,
     enable_envs_cache,
     engine_device,
+    lora_servable,
     make_arg_parser,
     validate_parsed_serve_args,
 )
@@ -109,8 +110,13 @@ def lora_enabled(settings: Settings, device: Device) -> bool:
     """Whether the engine gets LoRA slots: `engine.enable_lora`, except for a mixture-of-experts model on CPU. vLLM
     0.32.0's LoRA wrapper of the fused-MoE layer runs Triton kernels, which the CPU build lacks: the EngineCore died
     on its first forward (measured, "triton.language has no attribute float32"). No MoE adapter can be trained here
-    anyway (the MoE families refuse LoRA)."""
+    anyway (the MoE families refuse LoRA). Nor for a model whose vLLM class takes no adapters (`lora_servable`:
+    StableLM), on which vLLM would not start with LoRA slots (the trainer refuses its LoRA jobs too)."""
     if not settings.engine.enable_lora:
+        return False
+    architectures = list((checkpoint_config(settings.model) or {}).get("architectures") or [])
+    if not lora_servable(architectures):
+        logger.warning("LoRA is off for %s: vLLM's %s serves no adapters", settings.model, architectures)
         return False
     if device == "cpu" and checkpoint_experts(settings.model):
         logger.warning("LoRA is off for %s: a mixture-of-experts model on CPU (vLLM's MoE LoRA layer needs Triton)",

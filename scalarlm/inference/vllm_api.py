@@ -32,6 +32,8 @@ from vllm.lora.layers import BaseLayerWithLoRA
 from vllm.lora.request import LoRARequest
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
+from vllm.model_executor.models.interfaces import supports_lora
+from vllm.model_executor.models.registry import ModelRegistry
 from vllm.platforms import current_platform
 from vllm.reasoning import ReasoningParserManager
 from vllm.renderers.inputs.preprocess import parse_model_prompt
@@ -57,6 +59,7 @@ __all__ = [
     "ErrorResponse",
     "FlexibleArgumentParser",
     "LoRARequest",
+    "ModelRegistry",
     "PrometheusStatLogger",
     "ReasoningParserManager",
     "RequestOutputKind",
@@ -76,9 +79,11 @@ __all__ = [
     "enable_envs_cache",
     "engine_device",
     "init_app_state",
+    "lora_servable",
     "make_arg_parser",
     "parse_model_prompt",
     "sanitize_message",
+    "supports_lora",
     "validate_parsed_serve_args",
 ]
 
@@ -86,6 +91,17 @@ __all__ = [
 def engine_device() -> Device:
     """Where vLLM will run its engine, decided as vLLM decides it (its current platform): CPU or an accelerator."""
     return "cpu" if current_platform.is_cpu() else "accelerator"
+
+
+def lora_servable(architectures: list[str]) -> bool:
+    """Whether vLLM's model class for these `architectures` takes LoRA adapters (its `SupportsLoRA`; a class vLLM does
+    not know: True, vLLM refuses it at load anyway). An engine with LoRA slots on one that does not fails to start
+    (vLLM 0.32.0's StableLM: "does not support LoRA yet"). Its registry resolves the class as vLLM's loader does."""
+    for architecture in architectures:
+        model_class = ModelRegistry._try_load_model_cls(architecture)  # (the registry's lookup by name; no public one)
+        if model_class is not None:
+            return supports_lora(model_class)
+    return True
 
 
 def current_platform_name() -> str:

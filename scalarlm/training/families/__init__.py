@@ -33,6 +33,7 @@ from scalarlm.training.families.phi3 import PHI3
 from scalarlm.training.families.qwen3 import QWEN3
 from scalarlm.training.families.seed_oss import SEED_OSS
 from scalarlm.training.families.smollm3 import SMOLLM3
+from scalarlm.training.families.stablelm import STABLELM
 from scalarlm.training.families.starcoder2 import STARCODER2
 from scalarlm.training.families.spec import (
     Family,
@@ -52,7 +53,7 @@ FAMILY_LIST: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, PHI3, 
                                    QWEN3_MOE, QWEN2_MOE, MIXTRAL, GRANITE, GLM, GLM4, GLM4_MOE, DEEPSEEK_V3,
                                    DEEPSEEK_V2, OLMOE, EXAONE4, ERNIE4_5, GRANITE4, GRANITE_MOE, GPT_OSS,
                                    SEED_OSS, STARCODER2, ARCEE, NEMOTRON, APERTUS,
-                                   HUNYUAN, COHERE, COHERE2, GPT_NEOX, PHI)  # fmt: skip
+                                   HUNYUAN, COHERE, COHERE2, GPT_NEOX, PHI, STABLELM)  # fmt: skip
 FAMILIES: dict[str, Family] = {arch: f for f in FAMILY_LIST for arch in f.architectures}
 BY_NAME: dict[str, Family] = {f.name: f for f in FAMILY_LIST}
 REFUSED: dict[str, Refused] = {arch: r for r in (*_REFUSED, *_GRANITE_REFUSED) for arch in r.architectures}

@@ -6,7 +6,8 @@ names its parameters as the checkpoint does), on a random batch, on packed docum
 sequence (past the llama3 model's original context, far longer than Mistral's sliding window); a training step's
 per-token cross-entropy, computed at the loss positions only, equals HF's on the packed documents; the TP-gathered
 mcore -> HF export is bit-exact; in training mode both apply the same dropouts; the megatron LoRA forward equals PEFT
-with the same adapter weights (on every family but the MoE ones, whose LoRA is refused). Each TP size runs all models in one process (or one mpirun), once per module.
+with the same adapter weights (on every family but the MoE ones and StableLM, whose LoRA is refused). Each TP size
+runs all models in one process (or one mpirun), once per module.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from parity import forward_tolerance
 from trainer_jobs import mpi_env, require_mpirun
 
 from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS
-from scalarlm.training.families import FAMILY_LIST
+from scalarlm.training.families import BY_NAME, FAMILY_LIST
 from scalarlm.training.model import model_arch
 
 HERE = Path(__file__).parent
@@ -123,7 +124,7 @@ def test_logits_match_hf(logits, model: str, tp: int) -> None:
 def test_lora_matches_peft(lora, family_models: dict[str, Path], model: str, tp: int) -> None:
     r = lora(tp)[model]
     assert r["tp"] == tp
-    if model_arch(family_models[model]).num_experts:  # LoRA refused, by name: on MoE layers
+    if BY_NAME[model_arch(family_models[model]).family].lora_refusal:  # by name: MoE layers, StableLM (vLLM)
         assert "adapter_type 'lora' is not supported" in r["refused"], r
         return
     tolerance = forward_tolerance(r["logit_scale"])  # fp32; Gemma's logits are ~3x larger than Llama's

@@ -53,6 +53,9 @@ def test_a_mixture_of_experts_model_on_cpu_gets_no_lora_slots(tmp_path) -> None:
     assert not lora_enabled(settings, "cpu")  # GLM-4.5 names its expert count n_routed_experts
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     assert lora_enabled(settings, "cpu")
+    # vLLM 0.32.0's StableLM takes no adapters (its engine would not start with LoRA slots), on any device
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["StableLmForCausalLM"]}))
+    assert not lora_enabled(settings, "cpu") and not lora_enabled(settings, "accelerator")
 
 
 def test_tool_call_and_reasoning_parsers_reach_vllm_and_unknown_ones_are_refused(tmp_path) -> None:

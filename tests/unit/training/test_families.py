@@ -48,8 +48,8 @@ def _names_for(config: dict) -> list[str]:
                       parallel_block=extra.pop("parallel_block", family.parallel_block),
                       qkv_grouped=family.qkv_grouped,
                       attention_names=family.attention_names, model_names=family.model_names,
-                      qkv_bias=family.qkv_bias_from_weights and bool(config.get("attention_bias") or
-                                                                      config.get("use_bias")),
+                      qkv_bias=family.qkv_bias_from_weights and any(config.get(k) for k in (
+                          "attention_bias", "use_bias", "use_qkv_bias")),
                       **{k: v for k, v in extra.items() if k in ("layer_norm", "norm_bias", "linear_bias",
                                                                  "parallel_mlp_norm", "output_bias")})  # fmt: skip
     return hf_tensor_names(shape)
@@ -67,7 +67,8 @@ def test_registry_names_every_family_once() -> None:
                                             "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
                                             "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4",
                                             "granitemoe", "gpt_oss", "seed_oss", "starcoder2", "arcee", "nemotron",
-                                            "apertus", "hunyuan", "cohere", "cohere2", "gpt_neox", "phi"}
+                                            "apertus", "hunyuan", "cohere", "cohere2", "gpt_neox", "phi",
+                                            "stablelm"}
     assert all(FAMILIES[a] is f for f in FAMILY_LIST for a in f.architectures)
 
 
@@ -477,6 +478,26 @@ def test_phi_reads_a_parallel_block_on_one_layer_norm_biases_and_the_output_bias
     assert lora_targets(BY_NAME["phi"], ALL_LINEAR) == ["q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"]
     with pytest.raises(InvalidRequest, match="qk_layernorm=true .* is not supported for phi"):
         arch_of("PhiForCausalLM", **{**PHI2, "qk_layernorm": True})
+
+
+# stablelm-2-1_6b's fields as its hub config writes them (q/k/v biases, partial RoPE, the sequential layer).
+STABLELM2 = {"hidden_act": "silu", "layer_norm_eps": 1e-5, "partial_rotary_factor": 0.25, "rope_theta": 10000,
+             "use_qkv_bias": True, "qk_layernorm": False, "use_parallel_residual": False, "hidden_dropout": 0.0,
+             "rms_norm_eps": None, "num_key_value_heads": 4}  # fmt: skip
+
+
+def test_stablelm_reads_layer_norms_partial_rope_and_qkv_biases_and_refuses_what_vllm_would_not_serve() -> None:
+    arch = arch_of("StableLmForCausalLM", **STABLELM2)
+    assert arch.family == "stablelm" and arch.layer_norm and arch.norm_bias and arch.qkv_bias
+    assert (arch.rotary_fraction, arch.norm_eps, arch.linear_bias, arch.parallel_block) == (0.25, 1e-5, False, False)
+    assert not arch_of("StableLmForCausalLM", **{**STABLELM2, "use_qkv_bias": False}).qkv_bias  # stablelm-3b-4e1t
+    for field in ("use_parallel_residual", "qk_layernorm"):  # stablelm-2-12b sets both; vLLM 0.32 ignores them
+        with pytest.raises(InvalidRequest, match=f"{field}=true is not supported for stablelm"):
+            arch_of("StableLmForCausalLM", **{**STABLELM2, field: True})
+    with pytest.raises(InvalidRequest, match="hidden_dropout=0.1 is not supported for stablelm"):
+        arch_of("StableLmForCausalLM", **{**STABLELM2, "hidden_dropout": 0.1})
+    with pytest.raises(InvalidRequest, match="adapter_type 'lora' is not supported for stablelm: vLLM 0.32.0"):
+        lora_targets(BY_NAME["stablelm"], ALL_LINEAR)
 
 
 def test_phi3_trains_with_its_residual_dropout_as_transformers_applies_it() -> None:
