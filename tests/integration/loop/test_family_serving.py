@@ -196,7 +196,8 @@ def test_sft_job_is_served_like_transformers(family_server: tuple[str, str, Path
 def test_one_grpo_step_trains_and_publishes(family_server: tuple[str, str, Path]) -> None:
     family, url, _ = family_server
     if family not in GRPO_FAMILIES:
-        pytest.skip(f"{family}: its GRPO forward is its SFT forward, checked by the SFT jobs (see the docstring)")
+        jobs = f"{SFT_CHECKED_BY[family]}'s SFT jobs" if family in SFT_CHECKED_BY else "the SFT jobs"
+        pytest.skip(f"{family}: its GRPO forward is its SFT forward, checked by {jobs} (see the docstring)")
     llm = scalarlm.ScalarLM(api_url=url, timeout=600)
     rows = [{"prompt": PROMPTS[0], "completion": c, "reward": r} for c, r in ((" Paris", 1.0), (" Rome", 0.0))]
     if family not in MOE:
