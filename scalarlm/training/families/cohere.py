@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from scalarlm.protocol.errors import InvalidRequest
-from scalarlm.training.families.spec import Family, layer_type_windows, refuse_without_rope
+from scalarlm.training.families.spec import Family, layer_type_windows, pattern_layer_types, refuse_without_rope
 
 
 def _refuse(config: dict[str, Any]) -> None:
@@ -38,11 +38,7 @@ def _extra(config: dict[str, Any]) -> dict[str, Any]:
 def _layer_types(config: dict[str, Any]) -> dict[str, Any]:
     """Cohere2's config with `layer_types` as transformers derives them when the config has none (older hub configs
     carry `sliding_window_pattern`: every pattern-th layer full)."""
-    if config.get("layer_types") is not None:
-        return config
-    pattern = int(config.get("sliding_window_pattern") or 4)
-    types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(config["num_hidden_layers"])]
-    return {**config, "layer_types": types}
+    return {**config, "layer_types": pattern_layer_types(config, int(config["num_hidden_layers"]), 4)}
 
 
 def _windows(config: dict[str, Any], layers: int) -> tuple[int | None, ...]:

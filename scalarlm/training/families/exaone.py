@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from scalarlm.protocol.errors import InvalidRequest
-from scalarlm.training.families.spec import Family, layer_type_windows
+from scalarlm.training.families.spec import Family, layer_type_windows, pattern_layer_types
 
 
 def _types(config: dict[str, Any], layers: int) -> list[str]:
@@ -23,8 +23,7 @@ def _types(config: dict[str, Any], layers: int) -> list[str]:
         if window is None:
             raise InvalidRequest("layer_types is missing and sliding_window is null (transformers cannot derive the "
                                  "layer types)", param="model")  # fmt: skip
-        pattern = int(config.get("sliding_window_pattern") or 4)
-        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+        types = pattern_layer_types(config, layers, 4)
     sliding = "sliding_attention" in types
     if sliding != (window is not None):
         raise InvalidRequest(f"sliding_window={window} with {'some' if sliding else 'no'} sliding_attention layers is "

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from scalarlm.protocol.errors import InvalidRequest
-from scalarlm.training.families.spec import Family, Refused, layer_type_windows
+from scalarlm.training.families.spec import Family, Refused, layer_type_windows, pattern_layer_types
 
 
 def _rope(params: dict[str, Any] | None, where: str, default_theta: float) -> tuple[float, float | None]:
@@ -88,10 +88,8 @@ def _gemma2_windows(config: dict[str, Any], layers: int) -> tuple[int | None, ..
 
 def _windows(config: dict[str, Any], layers: int) -> tuple[int | None, ...]:
     """Gemma 3's `layer_types` (derived from `sliding_window_pattern` when absent, as transformers does)."""
-    if config.get("layer_types") is None and config.get("sliding_window") is not None:
-        pattern = int(config.get("sliding_window_pattern") or 6)
-        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-        config = {**config, "layer_types": types}
+    if config.get("sliding_window") is not None:
+        config = {**config, "layer_types": pattern_layer_types(config, layers, 6)}
     return layer_type_windows(config, layers, True)
 
 

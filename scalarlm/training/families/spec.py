@@ -848,6 +848,15 @@ def lora_targets(family: Family, target_modules: Iterable[str]) -> list[str]:
 # --- helpers the family declarations share --------------------------------------------------------------------
 
 
+def pattern_layer_types(config: dict[str, Any], layers: int, default_pattern: int) -> list[str]:
+    """`layer_types`, or as transformers derives them when the config has none (Gemma 3, EXAONE 4, Cohere2): every
+    `sliding_window_pattern`-th layer full, the rest sliding (`default_pattern` when that is absent too)."""
+    if config.get("layer_types") is not None:
+        return list(config["layer_types"])
+    pattern = int(config.get("sliding_window_pattern") or default_pattern)
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+
+
 def layer_type_windows(config: dict[str, Any], layers: int, enabled: bool) -> tuple[int | None, ...]:
     """Per-layer windows from `layer_types` (Qwen2/Qwen3/SmolLM3): `sliding_window` on "sliding_attention" layers.
 
