@@ -18,12 +18,17 @@ from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.training.families.spec import Family, layer_type_windows, pattern_layer_types, refuse_without_rope
 
 
-def _refuse(config: dict[str, Any]) -> None:
-    family = config.get("model_type") or "cohere"
-    refuse_without_rope(config, family, "a RoPE base of 500000 (Cohere) or 10000 (Cohere2)")
+def _refuse_qk_norm(config: dict[str, Any], family: str = "cohere2") -> None:
     if config.get("use_qk_norm"):
         raise InvalidRequest(f"use_qk_norm=true (Command R+'s per-head q/k LayerNorms) is not supported for {family}",
                              param="model")  # fmt: skip
+
+
+def _refuse(config: dict[str, Any]) -> None:
+    """Cohere's: transformers' CohereConfig assumes RoPE base 500000 where a config has none (Cohere2Config assumes
+    10000, the common reader's base)."""
+    refuse_without_rope(config, "cohere", "a RoPE base of 500000")
+    _refuse_qk_norm(config, "cohere")
 
 
 def _extra(config: dict[str, Any]) -> dict[str, Any]:
@@ -66,7 +71,7 @@ COHERE2 = Family(
     architectures=("Cohere2ForCausalLM",),
     rotary_interleaved=True,
     parallel_block=True,
-    refuse=_refuse,
+    refuse=_refuse_qk_norm,
     extra=_extra,
     read_config=_layer_types,
     windows=_windows,

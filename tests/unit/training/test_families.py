@@ -426,6 +426,11 @@ def test_cohere2_derives_its_layer_types_and_leaves_rope_out_of_the_full_layers(
     assert arch_of("Cohere2ForCausalLM", **{**COMMAND_R7B, "sliding_window": None}).rope_layers == (False,) * 8
     with pytest.raises(InvalidRequest, match="layer_types has 2 entries for 8 layers"):
         arch_of("Cohere2ForCausalLM", **{**COMMAND_R7B, "layer_types": types[:2]})
+    # without RoPE fields transformers' Cohere2Config takes base 10000, as the common reader does (Cohere's: refused)
+    from transformers import Cohere2Config
+
+    bare = arch_of("Cohere2ForCausalLM", **{k: v for k, v in COMMAND_R7B.items() if k != "rope_theta"})
+    assert bare.rope_theta == Cohere2Config().rope_parameters["rope_theta"] == 10000.0
 
 
 # Pythia-1b's fields as its hub config writes them (transformers 4.24: `rotary_pct`, `rotary_emb_base`; no
