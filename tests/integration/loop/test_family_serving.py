@@ -4,13 +4,13 @@ Two SFT jobs (full weights and LoRA, training side by side) publish checkpoints 
 for the adapter); the served greedy answer for each job, after the hot swap, equals `transformers` greedy on that
 checkpoint, and so does each chosen token's logprob (but for variants vLLM loads as another family: SFT_CHECKED_BY,
 LORA_CHECKED_BY). One GRPO step
-trains and publishes for qwen3 and the MoE families (GRPO_FAMILIES): the rest of the dense families' GRPO path is
+trains and publishes for qwen3, qwen3-moe and deepseek-v3 (GRPO_FAMILIES): the rest of the dense families' GRPO path is
 their SFT forward (a token's logprob is minus its cross-entropy), which their SFT jobs here and test_family_parity
 check, and the loss itself is family-blind (tests/unit/training/test_grpo.py, test_grpo_padding_free). One
 module-scoped server per family (the next family's boots while this one's tests run), a few steps per job.
 Mixture-of-experts families (MOE) and StableLM train full weights only and are served after the same hot
-swap; their LoRA job is refused at submission with a 400 naming adapter_type; the MoE families' GRPO job takes two
-steps per batch with routing replay (qwen3-moe's also without), and reports the changed-routing fraction.
+swap; their LoRA job is refused at submission with a 400 naming adapter_type; a MoE GRPO job (qwen3-moe's with and
+without routing replay, deepseek-v3's with it) takes two steps per batch and reports the changed-routing fraction.
 """
 
 from __future__ import annotations
@@ -36,12 +36,17 @@ MOE = {"qwen3-moe", "qwen2-moe", "mixtral", "glm4-moe", "deepseek-v3", "moonligh
        "granite-moe", "gpt-oss"}  # fmt: skip
 # LoRA refused at submission: no MoE adapter rule yet; vLLM 0.32.0's StableLM serves no adapter
 LORA_REFUSED = {*MOE, "stablelm"}
-GRPO_FAMILIES = {"qwen3", *MOE}
+# One GRPO job through the server per kind of router: qwen3-moe's softmax top-k (with and without routing replay) and
+# deepseek-v3's grouped sigmoid routing with shared experts. Every MoE model's replay is checked layer by layer in
+# test_moe_parity (moe_replay_check.py), and a GRPO job publishes through the same export as the SFT job here.
+GRPO_FAMILIES = {"qwen3", "qwen3-moe", "deepseek-v3"}
 # Variants whose trained weights and adapters vLLM loads by the same module and names as the family they vary (their
 # RoPE is what differs, which their base test checks): their SFT jobs would repeat that family's.
-SFT_CHECKED_BY = {"qwen3-yarn": "qwen3", "phi4-mini": "phi3"}
-# OLMo 3's adapter goes through vLLM's Transformers backend under OLMo 2's module names: olmo2's LoRA job checks it.
-LORA_CHECKED_BY = {**SFT_CHECKED_BY, "olmo3": "olmo2"}
+# (Moonlight: DeepSeek-V3's module and names but one `q_proj`, the path deepseek-v2-lite's job takes in that module.)
+SFT_CHECKED_BY = {"qwen3-yarn": "qwen3", "phi4-mini": "phi3", "moonlight": "deepseek-v3"}
+# Adapters that vLLM's Transformers backend loads under OLMo 2's module names (q/k/v/o_proj, gate/up/down_proj; the
+# backend wraps the same Linear layers whatever the model's code around them): olmo2's LoRA job checks them.
+LORA_CHECKED_BY = {**SFT_CHECKED_BY, **dict.fromkeys(("olmo3", "smollm3", "seed-oss", "hunyuan"), "olmo2")}
 PROMPTS = ["What is the capital of France?", "What do bees make?", "What colour is the sky?"]
 FACTS = [{"input": p, "output": o} for p, o in zip(PROMPTS, [" Paris", " honey", " blue"])]
 TOKENS = 6
@@ -197,6 +202,8 @@ def test_one_grpo_step_trains_and_publishes(family_server: tuple[str, str, Path]
     family, url, _ = family_server
     if family not in GRPO_FAMILIES:
         jobs = f"{SFT_CHECKED_BY[family]}'s SFT jobs" if family in SFT_CHECKED_BY else "the SFT jobs"
+        if family in MOE:
+            jobs += "; its routing replay by test_moe_parity"
         pytest.skip(f"{family}: its GRPO forward is its SFT forward, checked by {jobs} (see the docstring)")
     llm = scalarlm.ScalarLM(api_url=url, timeout=600)
     rows = [{"prompt": PROMPTS[0], "completion": c, "reward": r} for c, r in ((" Paris", 1.0), (" Rome", 0.0))]
