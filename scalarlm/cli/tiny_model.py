@@ -582,10 +582,11 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
     "phi": dict(family="phi", hidden=320, heads=4, kv_heads=4, seed=44),  # phi-2's 80-dim heads (RoPE on 32)
     "gpt-neox": dict(family="gpt_neox", hidden=256, heads=4, kv_heads=4, seed=42),  # Pythia's multi-head attention
     # GPT-NeoX's sequential layer (`use_parallel_residual` false: attention, then the MLP on its output), trained with
-    # GPT-NeoX's dropouts (on the embeddings, both residual branches and the attention probabilities).
+    # GPT-NeoX's dropouts (on the embeddings, both residual branches and the attention probabilities), and with
+    # GPT-NeoX-20B's `gelu_fast` (transformers' FastGELU).
     "gpt-neox-sequential": dict(family="gpt_neox", hidden=256, heads=4, kv_heads=4, seed=43,
                                 config_overrides={"use_parallel_residual": False, "hidden_dropout": 0.1,
-                                                  "attention_dropout": 0.1}),
+                                                  "attention_dropout": 0.1, "hidden_act": "gelu_fast"}),
     "glm": dict(family="glm", hidden=256, heads=4, kv_heads=2, seed=20),
     "glm4": dict(family="glm4", hidden=256, heads=4, kv_heads=2, seed=19),
 }

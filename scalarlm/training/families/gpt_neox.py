@@ -55,7 +55,7 @@ GPT_NEOX = Family(
     fused_gate_up=True,  # one MLP input projection: dense_h_to_4h
     mlp_names=("mlp", "dense_h_to_4h", "dense_4h_to_h"),
     gated_mlp=False,
-    activations=frozenset({"gelu"}),
+    activations=frozenset({"gelu", "gelu_fast"}),  # gelu_fast: GPT-NeoX-20B's (the tanh approximation)
     extra=_extra,
     notes="Pythia / GPT-NeoX: parallel residual with two LayerNorms, fused per-head qkv, partial RoPE, biases",
 )

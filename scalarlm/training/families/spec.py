@@ -497,7 +497,8 @@ def read_yarn(params: dict[str, Any], where: str, max_position_embeddings: int,
 
 
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu2": "squared_relu", "xielu": "xielu",
-               "gelu": "gelu", "gelu_new": "gelu_tanh"}  # fmt: skip
+               "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}  # fmt: skip
+# (gelu_new and gelu_fast: transformers' spellings of the tanh approximation, written out; equal up to rounding)
 
 
 def _activation(config: dict[str, Any], family: Family) -> str:

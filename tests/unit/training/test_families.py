@@ -459,8 +459,9 @@ def test_gpt_neox_reads_pythias_names_its_parallel_residual_and_partial_rope() -
     assert not sequential.parallel_block and (sequential.hidden_dropout, sequential.embedding_dropout) == (0.1, 0.1)
     with pytest.raises(InvalidRequest, match="attention_bias=false is not supported for gpt_neox"):
         arch_of("GPTNeoXForCausalLM", **{**PYTHIA, "attention_bias": False})
-    with pytest.raises(InvalidRequest, match="hidden_act 'gelu_fast' is not supported for gpt_neox"):
-        arch_of("GPTNeoXForCausalLM", **{**PYTHIA, "hidden_act": "gelu_fast"})
+    assert arch_of("GPTNeoXForCausalLM", **{**PYTHIA, "hidden_act": "gelu_fast"}).activation == "gelu_tanh"  # 20B's
+    with pytest.raises(InvalidRequest, match="hidden_act 'relu' is not supported for gpt_neox"):
+        arch_of("GPTNeoXForCausalLM", **{**PYTHIA, "hidden_act": "relu"})
 
 
 # phi-2's fields as its hub config writes them (transformers 4.37).
