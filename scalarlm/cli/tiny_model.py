@@ -577,6 +577,9 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
     "apertus": dict(family="apertus", hidden=256, heads=4, kv_heads=2, seed=38),
     "hunyuan": dict(family="hunyuan", hidden=256, heads=4, kv_heads=2, seed=39),
     "cohere": dict(family="cohere", hidden=256, heads=4, kv_heads=2, seed=40),
+    # Command R+: Cohere's layers with a LayerNorm over each head of q and k, its weight per head; its logit_scale
+    "command-r-plus": dict(family="cohere", hidden=256, heads=4, kv_heads=2, seed=47,
+                           config_overrides={"use_qk_norm": True, "logit_scale": 0.8333333333333334}),
     "cohere2": dict(family="cohere2", hidden=256, heads=4, kv_heads=2, seed=41),
     "stablelm": dict(family="stablelm", hidden=256, heads=4, kv_heads=4, seed=45),
     "phi": dict(family="phi", hidden=320, heads=4, kv_heads=4, seed=44),  # phi-2's 80-dim heads (RoPE on 32)

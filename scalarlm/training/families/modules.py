@@ -5,7 +5,8 @@ Each is driven by one `ModelArch` field, never by the model type (Gemma 2/3, OLM
 `layer_norm` LayerNorm's (Nemotron's LayerNorm1P); `norm_bias` False for a LayerNorm without a bias, in fp32
 (Cohere); `parallel_block` feeds the MLP the layer's input, normed by attention's norm (Cohere) or its own
 (`parallel_mlp_norm`: GPT-NeoX); `input_norms` False removes the norms before attention and the MLP;
-`qk_norm_over_projection` normalises q and k over every head at once (summing the squares over TP); `activation` "xielu"
+`qk_norm_over_projection` normalises q and k over every head at once (summing the squares over TP); `qk_norm_per_head`
+gives each head's q/k LayerNorm its own weight (Command R+); `activation` "xielu"
 gives each MLP its own learned activation (Apertus); `qk_norm_after_rope` moves the q/k norms after RoPE (HunYuan);
 `sandwich_norms` adds an output norm after attention and after the MLP; `residual_multiplier` scales each block's output
 before the residual add; `embedding_multiplier` scales the embeddings; `output_bias` gives the output layer a bias
@@ -74,6 +75,19 @@ class FloatLayerNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return (F.layer_norm(x.float(), self.weight.shape, eps=self.eps) * self.weight.float()).type_as(x)
+
+
+class HeadLayerNorm(nn.Module):
+    """HF's CohereLayerNorm over each head of megatron's [s, b, heads, d] q or k: LayerNorm without a bias over d, in
+    fp32, times the head's own weight row ([heads, d]; a TP rank holds its heads' rows)."""
+
+    def __init__(self, heads: int, head_dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(heads, head_dim, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (F.layer_norm(x.float(), x.shape[-1:], eps=self.eps) * self.weight.float()).type_as(x)
 
 
 class ParallelMLPInput(nn.Module):
@@ -169,6 +183,16 @@ def apply_projection_qk_norms(model: nn.Module, arch: ModelArch, dtype: torch.dt
         attn = layer.self_attention
         attn.q_layernorm = ProjectionRMSNorm(arch.num_heads * arch.head_dim, tp, arch.norm_eps, dtype, group)
         attn.k_layernorm = ProjectionRMSNorm(arch.num_kv_heads * arch.head_dim, tp, arch.norm_eps, dtype, group)
+
+
+def apply_head_qk_norms(model: nn.Module, arch: ModelArch, dtype: torch.dtype) -> None:
+    """q and k LayerNorms with a weight per head (`HeadLayerNorm`), out of megatron's `qk_layernorm` config as the
+    projection norms are: each rank's rows are its own heads', whose grads are not summed over TP."""
+    tp = model.config.tensor_model_parallel_size
+    for layer in model.decoder.layers:
+        attn = layer.self_attention
+        attn.q_layernorm = HeadLayerNorm(arch.num_heads // tp, arch.head_dim, arch.norm_eps, dtype)
+        attn.k_layernorm = HeadLayerNorm(arch.num_kv_heads // tp, arch.head_dim, arch.norm_eps, dtype)
 
 
 def apply_qk_norms_after_rope(model: nn.Module) -> None:
@@ -330,6 +354,8 @@ def adapt(model: nn.Module, arch: ModelArch, dtype: torch.dtype, rope_angles) ->
         remove_input_norms(model)
     if arch.qk_norm_over_projection:
         apply_projection_qk_norms(model, arch, dtype)
+    if arch.qk_norm_per_head:
+        apply_head_qk_norms(model, arch, dtype)
     if arch.norm_offset or (arch.layer_norm and not arch.norm_bias):
         apply_own_norms(model, arch, dtype)
     if arch.parallel_block:

@@ -148,6 +148,9 @@ class ModelArch:
     # q/k RMSNorm over the whole projection (every head at once, weights of width heads x head_dim; OLMo 2/3): TP
     # ranks hold their heads' slice of the weight and sum the squares over TP.
     qk_norm_over_projection: bool = False
+    # q/k LayerNorms over each head with a weight of its own per head ([heads, head_dim]; Cohere's `use_qk_norm`,
+    # Command R+): TP ranks hold their heads' rows.
+    qk_norm_per_head: bool = False
     fused_qkv: bool = False  # HF holds one self_attn.qkv_proj ([q; k; v]) instead of q/k/v_proj
     # that fused projection holds each KV group's [q; k; v] in turn, megatron's own layout (GPT-NeoX's query_key_value,
     # per head): split over TP by rows, not regrouped
@@ -620,8 +623,9 @@ def rules(arch: ModelArch) -> Iterator[Rule]:
             yield Rule(mc + "self_attention.linear_qkv.weight", tuple(f"{attn}{p}.weight" for p in qkv), qkv_kind)
         if arch.qkv_bias:
             yield Rule(mc + "self_attention.linear_qkv.bias", tuple(f"{attn}{p}.bias" for p in qkv), qkv_kind)
-        if arch.qk_layernorm or arch.qk_norm_over_projection:
-            kind = "dim0" if arch.qk_norm_over_projection else "replicated"  # each TP rank: its heads' slice
+        if arch.qk_layernorm or arch.qk_norm_over_projection or arch.qk_norm_per_head:
+            sliced = arch.qk_norm_over_projection or arch.qk_norm_per_head
+            kind = "dim0" if sliced else "replicated"  # each TP rank: its heads' slice
             where = mc + ("self_attention.core_attention." if arch.qk_norm_after_rope else "self_attention.")
             q_norm, k_norm = arch.qk_norm_names
             yield Rule(where + "q_layernorm.weight", (f"{attn}{q_norm}.weight",), kind)

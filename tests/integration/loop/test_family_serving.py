@@ -30,8 +30,9 @@ FAMILIES = ["qwen3", "qwen3-yarn", "llama3", "phi3", "phi4-mini", "smollm3", "mi
             "olmo2", "olmo3", "exaone4", "ernie4.5", "granite", "granite4", "glm", "glm4", "qwen3-moe", "qwen2-moe",
             "mixtral", "glm4-moe", "deepseek-v3", "moonlight", "deepseek-v2-lite", "olmoe", "granite-moe",
             "gpt-oss", "seed-oss", "starcoder2", "arcee", "nemotron", "apertus", "hunyuan",
-            "cohere2", "gpt-neox", "phi", "stablelm"]  # fmt: skip
-# (cohere: vLLM serves it with cohere2's module, its layers without the windows; test_family_parity checks its training)
+            "command-r-plus", "cohere2", "gpt-neox", "phi", "stablelm"]  # fmt: skip
+# (cohere: vLLM serves it with Command R+'s module and names, without the q/k norms; test_family_parity checks its
+# training)
 MOE = {"qwen3-moe", "qwen2-moe", "mixtral", "glm4-moe", "deepseek-v3", "moonlight", "deepseek-v2-lite", "olmoe",
        "granite-moe", "gpt-oss"}  # fmt: skip
 # LoRA refused at submission: no MoE adapter rule yet; vLLM 0.32.0's StableLM serves no adapter
@@ -46,7 +47,8 @@ GRPO_FAMILIES = {"qwen3", "qwen3-moe", "deepseek-v3"}
 SFT_CHECKED_BY = {"qwen3-yarn": "qwen3", "phi4-mini": "phi3", "moonlight": "deepseek-v3"}
 # Adapters that vLLM's Transformers backend loads under OLMo 2's module names (q/k/v/o_proj, gate/up/down_proj; the
 # backend wraps the same Linear layers whatever the model's code around them): olmo2's LoRA job checks them.
-LORA_CHECKED_BY = {**SFT_CHECKED_BY, **dict.fromkeys(("olmo3", "smollm3", "seed-oss", "hunyuan"), "olmo2")}
+LORA_CHECKED_BY = {**SFT_CHECKED_BY, **dict.fromkeys(("olmo3", "smollm3", "seed-oss", "hunyuan"), "olmo2"),
+                   "cohere2": "command-r-plus"}  # (vLLM's Command R module, the same adapter names)
 PROMPTS = ["What is the capital of France?", "What do bees make?", "What colour is the sky?"]
 FACTS = [{"input": p, "output": o} for p, o in zip(PROMPTS, [" Paris", " honey", " blue"])]
 TOKENS = 6

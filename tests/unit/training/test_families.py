@@ -51,7 +51,8 @@ def _names_for(config: dict) -> list[str]:
                       qkv_bias=family.qkv_bias_from_weights and any(config.get(k) for k in (
                           "attention_bias", "use_bias", "use_qkv_bias")),
                       **{k: v for k, v in extra.items() if k in ("layer_norm", "norm_bias", "linear_bias",
-                                                                 "parallel_mlp_norm", "output_bias")})  # fmt: skip
+                                                                 "parallel_mlp_norm", "output_bias",
+                                                                 "qk_norm_per_head")})  # fmt: skip
     return hf_tensor_names(shape)
 
 
@@ -389,6 +390,8 @@ def test_hunyuan_reads_post_rope_qk_norms_and_its_ntk_alpha_and_caps_max_seq_len
 # level; Command R7B's `sliding_window_pattern` without `layer_types`, and fields transformers ignores).
 AYA_EXPANSE = {"hidden_act": "silu", "layer_norm_eps": 1e-5, "logit_scale": 0.125, "rope_theta": 10000,
                "use_qk_norm": False, "attention_bias": False, "tie_word_embeddings": True}  # fmt: skip
+# Command R+ (104B, 08-2024): Cohere's layers with per-head q/k LayerNorms.
+COMMAND_R_PLUS = {**AYA_EXPANSE, "logit_scale": 0.8333333333333334, "rope_theta": 75000000.0, "use_qk_norm": True}
 COMMAND_R7B = {**AYA_EXPANSE, "logit_scale": 0.25, "rope_theta": 50000, "num_hidden_layers": 8, "sliding_window": 4096,
                "sliding_window_pattern": 4, "position_embedding_type": "rope_gptj", "rotary_pct": 1.0,
                "order_of_interleaved_layers": "local_attn_first"}  # fmt: skip
@@ -405,8 +408,14 @@ def test_cohere_reads_parallel_blocks_bias_free_layer_norms_and_the_logit_scale(
     assert not any(n.endswith(".bias") or "post_attention_layernorm" in n for n in names)  # one norm per layer
     assert not any("pre_mlp_layernorm" in r.mcore for r in rules(arch))
     assert arch_of("CohereForCausalLM", **{**AYA_EXPANSE, "logit_scale": None}).logits_divisor == 16.0  # Command R's
-    with pytest.raises(InvalidRequest, match="use_qk_norm=true .* is not supported for cohere"):
-        arch_of("CohereForCausalLM", **{**AYA_EXPANSE, "use_qk_norm": True})
+    plus = arch_of("CohereForCausalLM", **COMMAND_R_PLUS)  # q/k LayerNorms with a weight per head, sliced over TP
+    assert plus.qk_norm_per_head and not (plus.qk_layernorm or plus.qk_norm_over_projection)
+    kinds = {r.hf: r.kind for r in rules(plus)}
+    assert kinds[("model.layers.1.self_attn.q_norm.weight",)] == kinds[("model.layers.1.self_attn.k_norm.weight",)] \
+        == "dim0"  # fmt: skip
+    assert not arch.qk_norm_per_head and not any("q_norm" in n for n in hf_tensor_names(arch))
+    with pytest.raises(InvalidRequest, match="use_qk_norm=true is not supported for cohere2"):
+        arch_of("Cohere2ForCausalLM", **{**COMMAND_R7B, "use_qk_norm": True})
     with pytest.raises(InvalidRequest, match="cohere: a config without its RoPE"):
         arch_of("CohereForCausalLM", **{k: v for k, v in AYA_EXPANSE.items() if k != "rope_theta"})
     with pytest.raises(InvalidRequest, match="logit_scale=0.0 must be positive"):
