@@ -24,6 +24,7 @@ from scalarlm.inference.vllm_api import (
     engine_device,
     lora_servable,
     make_arg_parser,
+    unimportable_architecture,
     validate_parsed_serve_args,
 )
 
@@ -106,6 +107,18 @@ def cpu_rotary_args(config: dict, device: Device) -> list[str]:
     return ["--compilation-config", json.dumps({"custom_ops": ["all", "-rotary_embedding"]})]
 
 
+def model_impl_args(config: dict) -> list[str]:
+    """`--model-impl transformers` for a checkpoint whose vLLM class cannot be imported here (vLLM 0.32.0's multimodal
+    Gemma 3 needs torchvision, which a CPU install lacks): vLLM's Transformers backend serves it, on transformers' own
+    modules (text prompts measured equal to transformers). Elsewhere vLLM picks its own implementation."""
+    architecture = unimportable_architecture(list(config.get("architectures") or []))
+    if architecture is None:
+        return []
+    logger.warning("vLLM's %s cannot be imported here (see vLLM's error above): serving it with vLLM's Transformers "
+                   "backend", architecture)  # fmt: skip
+    return ["--model-impl", "transformers"]
+
+
 def lora_enabled(settings: Settings, device: Device) -> bool:
     """Whether the engine gets LoRA slots: `engine.enable_lora`, except for a mixture-of-experts model on CPU. vLLM
     0.32.0's LoRA wrapper of the fused-MoE layer runs Triton kernels, which the CPU build lacks: the EngineCore died
@@ -146,6 +159,7 @@ def serve_cli_args(settings: Settings, device: Device | None = None) -> list[str
     if eng.enforce_eager:
         argv.append("--enforce-eager")
     argv += cpu_rotary_args(checkpoint_config(settings.model) or {}, device)
+    argv += model_impl_args(checkpoint_config(settings.model) or {})
     if lora_enabled(settings, device):
         argv += ["--enable-lora", "--max-loras", str(eng.max_loras), "--max-lora-rank", str(eng.max_lora_rank)]
     if eng.tool_call_parser is not None:

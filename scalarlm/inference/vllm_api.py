@@ -84,6 +84,7 @@ __all__ = [
     "parse_model_prompt",
     "sanitize_message",
     "supports_lora",
+    "unimportable_architecture",
     "validate_parsed_serve_args",
 ]
 
@@ -102,6 +103,17 @@ def lora_servable(architectures: list[str]) -> bool:
         if model_class is not None:
             return supports_lora(model_class)
     return True
+
+
+def unimportable_architecture(architectures: list[str]) -> str | None:
+    """The architecture vLLM implements itself (its registry lists it) but whose class cannot be imported here, when
+    none of `architectures` can be: vLLM would fail to start on the checkpoint (vLLM 0.32.0's multimodal Gemma 3
+    module imports transformers' torchvision image processor, which a CPU install lacks). None: one loads, or none is
+    vLLM's."""
+    listed = [a for a in architectures if a in ModelRegistry.models]
+    if listed and all(ModelRegistry._try_load_model_cls(a) is None for a in listed):
+        return listed[0]
+    return None
 
 
 def current_platform_name() -> str:

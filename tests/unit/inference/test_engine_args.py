@@ -102,3 +102,21 @@ def test_a_latent_attention_model_on_cpu_rotates_with_vllms_pytorch_path(tmp_pat
     assert "--compilation-config" not in serve_cli_args(_settings(tmp_path), device="accelerator")
     args = _engine_args(_settings(tmp_path), "cpu")
     assert args.compilation_config.custom_ops == ["all", "-rotary_embedding"]
+
+
+def test_a_checkpoint_whose_vllm_class_cannot_be_imported_is_served_by_the_transformers_backend(tmp_path):
+    """vLLM 0.32.0's multimodal Gemma 3 imports transformers' torchvision image processor, which this CPU install lacks
+    (scripts/install.sh removes PyPI's CUDA torchvision): vLLM would not start on it, its Transformers backend serves
+    it (served = transformers: `test_family_serving.py`'s gemma3-mm). A class that imports keeps vLLM's choice."""
+    import importlib.util
+    import json
+
+    from scalarlm.inference.vllm_api import ModelRegistry
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForConditionalGeneration"]}))
+    unimportable = ModelRegistry._try_load_model_cls("Gemma3ForConditionalGeneration") is None
+    assert unimportable or importlib.util.find_spec("torchvision") is not None
+    assert (_flag(serve_cli_args(_settings(tmp_path), device="cpu"), "--model-impl") == "transformers") == unimportable
+    assert _engine_args(_settings(tmp_path), "cpu").model_impl == ("transformers" if unimportable else "auto")
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForCausalLM"]}))
+    assert "--model-impl" not in serve_cli_args(_settings(tmp_path), device="cpu")
