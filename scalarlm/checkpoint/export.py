@@ -31,6 +31,12 @@ ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 INDEX_NAME = "model.safetensors.index.json"
 EXPORT_MANIFEST = "export.json"
 PEFT_PREFIX = "base_model.model."
+# A multimodal model's parts as transformers (4.52+) names them in its module tree, where PEFT's adapter keys name
+# them, and as its checkpoints name them (Gemma 3 4B-27B as transformers 5 saves it, and as the hub's checkpoints hold
+# the SigLIP tower).
+MODULE_TREE_NAMES = (("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
+                     ("model.vision_tower.", "vision_tower.vision_model."),
+                     ("model.multi_modal_projector.", "multi_modal_projector."))  # fmt: skip
 _CHUNK = 1 << 20
 _NUMPY = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.uint16, "I64": np.int64,
           "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}  # fmt: skip
@@ -150,10 +156,11 @@ def weight_files(model_dir: Path) -> list[str]:
 
 def merge_lora(base_dir: Path, adapter_dir: Path, dest: Path) -> None:
     """Write base + adapter as full weights into `dest` (the base's config, tokenizer and shard layout)."""
-    deltas = lora_deltas(adapter_dir)
+    files = {name: read_safetensors(base_dir / name) for name in weight_files(base_dir)}
+    base_names = {tensor for tensors, _ in files.values() for tensor in tensors}
+    deltas = {checkpoint_name(name, base_names): delta for name, delta in lora_deltas(adapter_dir).items()}
     copy_files(base_dir, dest, skip_weights=True)
-    for name in weight_files(base_dir):
-        tensors, metadata = read_safetensors(base_dir / name)
+    for name, (tensors, metadata) in files.items():
         merged = {}
         for tensor, (dtype, array) in tensors.items():
             delta = deltas.pop(tensor, None)
@@ -165,6 +172,15 @@ def merge_lora(base_dir: Path, adapter_dir: Path, dest: Path) -> None:
         write_safetensors(dest / name, merged, metadata or {"format": "pt"})
     if deltas:
         raise InvalidRequest(f"the adapter adapts weights the base model lacks: {', '.join(sorted(deltas)[:3])}")
+
+
+def checkpoint_name(name: str, base_names: set[str]) -> str:
+    """The base checkpoint's name of the weight an adapter key names (`MODULE_TREE_NAMES`; otherwise `name`)."""
+    if name not in base_names:
+        for tree, saved in MODULE_TREE_NAMES:
+            if name.startswith(tree) and saved + name[len(tree) :] in base_names:
+                return saved + name[len(tree) :]
+    return name
 
 
 def copy_files(source: Path, dest: Path, skip_weights: bool = False, skip: tuple[str, ...] = ()) -> None:

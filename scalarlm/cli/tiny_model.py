@@ -24,17 +24,23 @@ FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "
             "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe", "deepseek_v3",
             "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4", "granitemoe", "gpt_oss",
             "seed_oss", "starcoder2", "arcee", "nemotron", "apertus", "hunyuan", "cohere", "cohere2",
-            "gpt_neox", "phi", "stablelm")  # fmt: skip
+            "gpt_neox", "phi", "stablelm", "gemma3_mm")  # fmt: skip
 Family = Literal["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma", "gemma2", "gemma3",
                  "olmo2", "olmo3", "qwen3_moe", "qwen2_moe", "mixtral", "granite", "glm", "glm4", "glm4_moe",
                  "deepseek_v3", "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4", "granitemoe",
                  "gpt_oss", "seed_oss", "starcoder2", "arcee", "nemotron", "apertus", "hunyuan", "cohere",
-                 "cohere2", "gpt_neox", "phi", "stablelm"]  # fmt: skip
+                 "cohere2", "gpt_neox", "phi", "stablelm", "gemma3_mm"]  # fmt: skip
 # Mixture-of-experts tiny models: 4 experts, 2 per token, each expert's intermediate size hidden / 2.
 TINY_EXPERTS, TINY_TOPK = 4, 2
 # Families whose real checkpoints tie the output layer to the embedding (Qwen3 0.6B-4B, Llama 3.2, SmolLM3, Gemma).
 TIED_BY_DEFAULT = frozenset({"qwen3", "llama3", "smollm3", "gemma", "gemma2", "gemma3", "granite", "ernie4_5",
-                             "granite4", "granitemoe", "starcoder2", "hunyuan", "cohere", "cohere2"})  # fmt: skip
+                             "granite4", "granitemoe", "starcoder2", "hunyuan", "cohere", "cohere2",
+                             "gemma3_mm"})  # fmt: skip
+# Multimodal Gemma 3's image tokens (its tokenizer's `boi_token`, `eoi_token`, `image_token`), added to the tiny
+# tokenizer; its image side shrunk: a 56-pixel image in 14-pixel patches, pooled to 4 tokens.
+GEMMA3_IMAGE_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                       "image_token": "<image_soft_token>"}  # fmt: skip
+GEMMA3_IMAGE = {"image_size": 56, "patch_size": 14, "mm_tokens_per_image": 4}
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<unk>"]
 # vLLM's CPU attention kernels support only these head sizes.
@@ -417,6 +423,41 @@ def _family_config(
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
+def _gemma3_tokenizer(vocab: int, out: Path):
+    """The tiny tokenizer with Gemma 3's three image tokens as its last entries (`vocab` in all), which its processor
+    finds by name (`tokenizer.boi_token`, ...)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = _build_tokenizer(vocab - len(GEMMA3_IMAGE_TOKENS))
+    tokenizer.add_special_tokens({"extra_special_tokens": list(GEMMA3_IMAGE_TOKENS.values())})
+    tokenizer.save_pretrained(out)
+    return PreTrainedTokenizerFast.from_pretrained(out, extra_special_tokens=GEMMA3_IMAGE_TOKENS)
+
+
+def _gemma3_multimodal_config(text, tokenizer, token_ids: dict[str, int]):
+    """Gemma 3 4B-27B's multimodal config around the tiny text config: a one-layer SigLIP tower and the projector."""
+    import transformers
+
+    vision = transformers.SiglipVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=GEMMA3_IMAGE["image_size"],
+                                             patch_size=GEMMA3_IMAGE["patch_size"], vision_use_head=False)  # fmt: skip
+    return transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                     mm_tokens_per_image=GEMMA3_IMAGE["mm_tokens_per_image"],
+                                     boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id,
+                                     image_token_index=tokenizer.image_token_id,
+                                     tie_word_embeddings=text.tie_word_embeddings, **token_ids)  # fmt: skip
+
+
+def _save_gemma3_processor(out: Path, tokenizer) -> None:
+    """Gemma 3's processor (image processor and tokenizer), which vLLM loads to serve the checkpoint."""
+    from transformers import Gemma3ImageProcessor, Gemma3Processor
+
+    size = GEMMA3_IMAGE["image_size"]
+    Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": size, "width": size}), tokenizer=tokenizer,
+                    image_seq_length=GEMMA3_IMAGE["mm_tokens_per_image"],
+                    chat_template=tokenizer.chat_template).save_pretrained(out)  # fmt: skip
+
+
 def _model_config(family: Family, *args, overrides: dict | None = None):
     """The family's config with `overrides` applied on top (transformers derives layer_types etc. from them)."""
     config = _family_config(family, *args)
@@ -483,18 +524,21 @@ def make_tiny_model(
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = _build_tokenizer(vocab)
+    multimodal = family == "gemma3_mm"
+    tokenizer = _gemma3_tokenizer(vocab, out) if multimodal else _build_tokenizer(vocab)
     token_ids = {
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
     config = _model_config(
-        family, len(tokenizer), hidden, layers, heads, kv_heads,
+        "gemma3" if multimodal else family, len(tokenizer), hidden, layers, heads, kv_heads,
         intermediate or 2 * hidden, max_position,
         family in TIED_BY_DEFAULT if tie_embeddings is None else tie_embeddings, token_ids,
         overrides=config_overrides,
     )
+    if multimodal:
+        config = _gemma3_multimodal_config(config, tokenizer, token_ids)
     config.dtype = torch.float32
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -504,6 +548,8 @@ def make_tiny_model(
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    if multimodal:
+        _save_gemma3_processor(out, tokenizer)
     (out / "scalarlm_tiny.json").write_text(
         json.dumps({"family": family, "layers": layers, "hidden": hidden, "vocab": len(tokenizer), "seed": seed})
     )
@@ -581,6 +627,8 @@ FAMILY_TINY_MODELS: dict[str, dict] = {
     "command-r-plus": dict(family="cohere", hidden=256, heads=4, kv_heads=2, seed=47,
                            config_overrides={"use_qk_norm": True, "logit_scale": 0.8333333333333334}),
     "cohere2": dict(family="cohere2", hidden=256, heads=4, kv_heads=2, seed=41),
+    # Gemma 3 4B-27B: the gemma3 text model inside the multimodal checkpoint, with a one-layer vision tower
+    "gemma3-mm": dict(family="gemma3_mm", hidden=256, heads=4, kv_heads=2, seed=48),
     "stablelm": dict(family="stablelm", hidden=256, heads=4, kv_heads=4, seed=45),
     "phi": dict(family="phi", hidden=320, heads=4, kv_heads=4, seed=44),  # phi-2's 80-dim heads (RoPE on 32)
     "gpt-neox": dict(family="gpt_neox", hidden=256, heads=4, kv_heads=4, seed=42),  # Pythia's multi-head attention

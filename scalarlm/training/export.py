@@ -76,10 +76,11 @@ def publish_dtypes(base_model: Path, dtype: str) -> dict[str, torch.dtype] | tor
     return hf_io.source_dtypes(base_model) if dtype == "source" else hf_io.PUBLISH_DTYPES[dtype]
 
 
-def keep_source_names(state: dict[str, Tensor], base_model: Path, tied: tuple[str, str] | None) -> dict[str, Tensor]:
+def keep_source_names(state: dict[str, Tensor], base_model: Path, tied: tuple[str, str] | None,
+                      carried: tuple[str, ...] = ()) -> dict[str, Tensor]:  # fmt: skip
     """Add the base tensors no rule produces, so a published step has the base's tensor names: a tied model's saved
-    `lm_head.weight` (= the trained embedding; `tied`: those two names) and derived buffers (`rotary_emb.inv_freq`,
-    copied unchanged)."""
+    `lm_head.weight` (= the trained embedding; `tied`: those two names), derived buffers (`rotary_emb.inv_freq`) and a
+    multimodal checkpoint's tensors around its text model (names starting with `carried`), both copied unchanged."""
     extra = sorted(hf_io.tensor_names(base_model) - set(state))
     if not extra:
         return state
@@ -88,7 +89,7 @@ def keep_source_names(state: dict[str, Tensor], base_model: Path, tied: tuple[st
         for name in extra:
             if tied is not None and name == tied[0]:
                 out[name] = state[tied[1]].clone()
-            elif name.endswith(".rotary_emb.inv_freq"):
+            elif name.endswith(".rotary_emb.inv_freq") or (carried and name.startswith(carried)):
                 out[name] = base[name]
             else:
                 logger.warning("base tensor %s has no trained counterpart: not published", name)
@@ -113,7 +114,7 @@ def publish_checkpoint(
     path = None
     if par.is_main and shards is not None:
         state = keep_source_names(mcore_to_hf(shards, whole_model(arch)), base_model,
-                                  (arch.hf_head, arch.hf_embedding) if arch.tied_embeddings else None)
+                                  (arch.hf_head, arch.hf_embedding) if arch.tied_embeddings else None, arch.carried)
         dtypes = publish_dtypes(base_model, dtype)
         path = publish(job, manifest, lambda d: hf_io.write_checkpoint(d, state, base_model, base_config, dtypes))
         logger.info("published %s", path)

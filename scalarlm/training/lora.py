@@ -220,10 +220,19 @@ def peft_state(model: nn.Module, arch: ModelArch) -> dict[str, Tensor]:
             if lora is None:
                 continue
             for proj, pair in lora.pairs.items():
-                key = f"base_model.model.{arch.model_names[1]}.{i}.{hf_module}.{proj}"
+                key = f"base_model.model.{arch.adapter_layers or arch.model_names[1]}.{i}.{hf_module}.{proj}"
                 out[f"{key}.lora_A.weight"] = pair.A.detach().float().cpu().contiguous()
                 out[f"{key}.lora_B.weight"] = pair.B.detach().float().cpu().contiguous()
     return out
+
+
+def _carried_modules(arch: ModelArch) -> str | None:
+    """PEFT's `exclude_modules` (a regex) for a multimodal model's vision tower and projector, whose attention and MLP
+    projections share the text model's names: the adapter targets the text model only (vLLM's LoRA does too)."""
+    if not arch.carried:
+        return None
+    names = sorted({prefix.rstrip(".").split(".")[-1] for prefix in arch.carried})
+    return rf"(.*\.)?({'|'.join(names)})\..*"
 
 
 def peft_config(config: LoraConfig, arch: ModelArch, base_model: str) -> dict[str, Any]:
@@ -236,6 +245,7 @@ def peft_config(config: LoraConfig, arch: ModelArch, base_model: str) -> dict[st
         "lora_alpha": config.alpha,
         "lora_dropout": config.dropout,
         "target_modules": check_targets(config, arch),
+        "exclude_modules": _carried_modules(arch),
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,

@@ -16,7 +16,7 @@ from scalarlm.training.families.cohere import COHERE, COHERE2
 from scalarlm.training.families.deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from scalarlm.training.families.ernie import ERNIE4_5
 from scalarlm.training.families.exaone import EXAONE4
-from scalarlm.training.families.gemma import GEMMA, GEMMA2, GEMMA3
+from scalarlm.training.families.gemma import GEMMA, GEMMA2, GEMMA3, GEMMA3_MM
 from scalarlm.training.families.gemma import REFUSED as _REFUSED
 from scalarlm.training.families.glm import GLM, GLM4
 from scalarlm.training.families.gpt_neox import GPT_NEOX
@@ -53,7 +53,7 @@ FAMILY_LIST: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, PHI3, 
                                    QWEN3_MOE, QWEN2_MOE, MIXTRAL, GRANITE, GLM, GLM4, GLM4_MOE, DEEPSEEK_V3,
                                    DEEPSEEK_V2, OLMOE, EXAONE4, ERNIE4_5, GRANITE4, GRANITE_MOE, GPT_OSS,
                                    SEED_OSS, STARCODER2, ARCEE, NEMOTRON, APERTUS,
-                                   HUNYUAN, COHERE, COHERE2, GPT_NEOX, PHI, STABLELM)  # fmt: skip
+                                   HUNYUAN, COHERE, COHERE2, GPT_NEOX, PHI, STABLELM, GEMMA3_MM)  # fmt: skip
 FAMILIES: dict[str, Family] = {arch: f for f in FAMILY_LIST for arch in f.architectures}
 BY_NAME: dict[str, Family] = {f.name: f for f in FAMILY_LIST}
 REFUSED: dict[str, Refused] = {arch: r for r in (*_REFUSED, *_GRANITE_REFUSED) for arch in r.architectures}

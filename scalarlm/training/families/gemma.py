@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from scalarlm.protocol.errors import InvalidRequest
-from scalarlm.training.families.spec import Family, Refused, layer_type_windows, pattern_layer_types
+from scalarlm.training.families.spec import Family, Refused, TextInside, layer_type_windows, pattern_layer_types
 
 
 def _rope(params: dict[str, Any] | None, where: str, default_theta: float) -> tuple[float, float | None]:
@@ -112,6 +112,45 @@ GEMMA3 = Family(
     notes="Gemma 3 text: (1 + w) norms, sandwich norms, GeGLU, two RoPE bases, per-layer windows",
 )
 
+# transformers' Gemma3TextConfig defaults: the hub's multimodal configs (Gemma 3 4B-27B) write only what differs
+# (test_families checks these against transformers').
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": True,
+}  # fmt: skip
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal Gemma 3 config's text model, as transformers reads it (its defaults under `text_config`); the
+    checkpoint's `architectures`, and its tie flag where the top level sets one."""
+    text = {**GEMMA3_TEXT_DEFAULTS, **(config.get("text_config") or {})}
+    tied = config.get("tie_word_embeddings")
+    return {**text, "architectures": config.get("architectures"),
+            "tie_word_embeddings": text["tie_word_embeddings"] if tied is None else tied}  # fmt: skip
+
+
+GEMMA3_MM = Family(
+    name="gemma3_mm",
+    architectures=("Gemma3ForConditionalGeneration",),
+    qk_layernorm=True,
+    activations=frozenset({"gelu_pytorch_tanh"}),
+    sandwich_norms=True,
+    windows=_windows,
+    extra=_extra,
+    read_config=_text_config,
+    # As transformers 4.50 and 5 save it (the hub's), and as 4.52-4.57 saved it (their module tree's names).
+    text_inside=(
+        TextInside(("language_model.model.embed_tokens", "language_model.model.layers", "language_model.model.norm",
+                    "language_model.lm_head"), ("vision_tower.", "multi_modal_projector.")),
+        TextInside(("model.language_model.embed_tokens", "model.language_model.layers", "model.language_model.norm",
+                    "lm_head"), ("model.vision_tower.", "model.multi_modal_projector.")),
+    ),  # fmt: skip
+    adapter_layers="model.language_model.layers",  # PEFT's keys on transformers 5's module tree
+    notes="Gemma 3 4B-27B (multimodal): its text model trained as Gemma 3's, the vision tower and projector kept",
+)
+
 GEMMA2 = Family(
     name="gemma2",
     architectures=("Gemma2ForCausalLM",),
@@ -131,9 +170,6 @@ GEMMA = Family(
 )
 
 REFUSED = (
-    Refused(("Gemma3ForConditionalGeneration",),
-            "multimodal Gemma 3 (4B+) checkpoints carry vision towers the trainer does not keep; "
-            "train the text model (Gemma3ForCausalLM)"),  # fmt: skip
     Refused(("PhimoeForCausalLM",),
             "PhiMoE's sparsemixer routing is not supported (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, DeepSeek-V2/V3 "
             "and OLMoE are)"),  # fmt: skip

@@ -157,6 +157,11 @@ class ModelArch:
     qkv_grouped: bool = False
     attention_names: tuple[str, str, str] = ATTENTION_NAMES
     model_names: tuple[str, str, str, str] = MODEL_NAMES
+    # A multimodal checkpoint's tensors outside its text model (vision tower, projector), by name prefix: not trained,
+    # published unchanged.
+    carried: tuple[str, ...] = ()
+    # The layers' path in transformers' module tree where it is not their checkpoint name (PEFT's adapter keys).
+    adapter_layers: str | None = None
     # HF holds one MLP input projection: mlp.gate_up_proj ([gate; up]), or without `gated_mlp` the up one (c_fc)
     fused_gate_up: bool = False
     # HF names of the dense MLP: its module, its one input projection (with `fused_gate_up`: [gate; up], or the up
@@ -289,6 +294,15 @@ class ModelArch:
 
 
 @dataclass(frozen=True)
+class TextInside:
+    """Where a multimodal checkpoint keeps its text model: the text model's `model_names`, and the name prefixes of the
+    tensors around it that training carries through unchanged (`ModelArch.carried`)."""
+
+    model_names: tuple[str, str, str, str]
+    carried: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Family:
     """One model family: the `architectures` it reads and how its config differs from plain Llama."""
 
@@ -328,6 +342,10 @@ class Family:
     # HF modules an adapter may not target on this family, and why (vLLM cannot load it there); the default targets
     # (`all-linear`) leave them out, naming one is refused.
     lora_unservable: tuple[tuple[str, ...], str] = ((), "")
+    # A multimodal checkpoint's layouts of its text model (the checkpoint's names tell which it has); empty: one
+    # text-only layout, `model_names`.
+    text_inside: tuple[TextInside, ...] = ()
+    adapter_layers: str | None = None  # ModelArch.adapter_layers
     notes: str = ""
 
     @property
@@ -556,8 +574,12 @@ def read_arch(config: dict[str, Any], tensor_names: Iterable[str], families: dic
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
     layers = int(config["num_hidden_layers"])
+    inside = next((t for t in family.text_inside if f"{t.model_names[0]}.weight" in names), None)
+    if inside is None and family.text_inside:
+        inside = family.text_inside[0]  # (check_tensor_names names what it lacks)
+    model_names = inside.model_names if inside else family.model_names
     qkv = hf_projections(family.fused_qkv, family.fused_gate_up, family.mlp_names, family.attention_names)[0]
-    first_qkv_bias = f"{family.model_names[1]}.0.{family.attention_names[0]}.{qkv[0]}.bias"
+    first_qkv_bias = f"{model_names[1]}.0.{family.attention_names[0]}.{qkv[0]}.bias"
     qkv_bias = family.qkv_bias_from_weights and first_qkv_bias in names
     arch = ModelArch(
         family=family.name,
@@ -589,7 +611,9 @@ def read_arch(config: dict[str, Any], tensor_names: Iterable[str], families: dic
         parallel_block=extra.pop("parallel_block", family.parallel_block),  # GPT-NeoX: per config
         qkv_grouped=family.qkv_grouped,
         attention_names=family.attention_names,
-        model_names=family.model_names,
+        model_names=model_names,
+        carried=inside.carried if inside else (),
+        adapter_layers=family.adapter_layers,
         rotary_interleaved=family.rotary_interleaved,
         norm_names=family.norm_names,
         input_norm_names=family.input_norm_names,
@@ -726,10 +750,11 @@ def hf_tensor_names(arch: ModelArch) -> list[str]:
 def tolerated(arch: ModelArch, name: str) -> bool:
     """HF tensors no rule maps that are still safe to skip: derived RoPE buffers, a tied model's saved lm_head
     (the converter checks it equals the embedding), the multi-token-prediction layers after the last one (GLM-4.5's
-    `num_nextn_predict_layers`: transformers does not load them; a published checkpoint has none)."""
+    `num_nextn_predict_layers`: transformers does not load them; a published checkpoint has none), and a multimodal
+    checkpoint's tensors around its text model (`carried`: published unchanged)."""
     mtp = tuple(f"{arch.model_names[1]}.{i}." for i in range(arch.num_layers, arch.num_layers + arch.mtp_layers))
     return name.endswith(IGNORED_SUFFIXES) or (arch.tied_embeddings and name == arch.hf_head) or \
-        bool(mtp and name.startswith(mtp))  # fmt: skip
+        bool(mtp and name.startswith(mtp)) or bool(arch.carried and name.startswith(arch.carried))  # fmt: skip
 
 
 def check_tensor_names(arch: ModelArch, names: set[str]) -> None:

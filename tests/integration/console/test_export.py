@@ -187,3 +187,34 @@ def test_bf16_merge_rounds_as_peft_does(tiny_model_dir: Path, tmp_path: Path) ->
     for name, tensor in ref_state.items():
         assert our_state[name].dtype == torch.bfloat16
         assert torch.equal(tensor, our_state[name]), name
+
+
+def test_merge_of_a_multimodal_gemma3_adapter_names_the_checkpoints_weights(tmp_path: Path) -> None:
+    """A PEFT adapter of Gemma 3 4B-27B keys its weights by transformers' module tree (`model.language_model.*`,
+    `model.vision_tower.*`), the checkpoint by the hub's names (`language_model.model.*`, `vision_tower.*`): the merge
+    adds each delta to the checkpoint's weight, text model and vision tower alike, as PEFT's `merge_and_unload()`."""
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS, make_tiny_model
+
+    base_dir = make_tiny_model(tmp_path / "gemma3-mm", **FAMILY_TINY_MODELS["gemma3-mm"])
+    adapter_dir, merged_dir = tmp_path / "adapter", tmp_path / "merged"
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj", "fc1"]))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in peft.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.2 * torch.randn(param.shape, generator=gen))
+    peft.save_pretrained(adapter_dir)
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
+                                          adapter_dir).merge_and_unload().state_dict()  # fmt: skip
+    merge_lora(base_dir, adapter_dir, merged_dir)
+    ours = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).state_dict()
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).state_dict()
+    changed = {name for name in reference if not torch.equal(reference[name], base[name])}
+    assert any("vision_tower" in n for n in changed) and any("language_model" in n for n in changed)
+    for name, tensor in reference.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=0, atol=1e-6, msg=name)

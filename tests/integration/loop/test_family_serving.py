@@ -30,7 +30,7 @@ FAMILIES = ["qwen3", "qwen3-yarn", "llama3", "phi3", "phi4-mini", "smollm3", "mi
             "olmo2", "olmo3", "exaone4", "ernie4.5", "granite", "granite4", "glm", "glm4", "qwen3-moe", "qwen2-moe",
             "mixtral", "glm4-moe", "deepseek-v3", "moonlight", "deepseek-v2-lite", "olmoe", "granite-moe",
             "gpt-oss", "seed-oss", "starcoder2", "arcee", "nemotron", "apertus", "hunyuan",
-            "command-r-plus", "cohere2", "gpt-neox", "phi", "stablelm"]  # fmt: skip
+            "command-r-plus", "cohere2", "gpt-neox", "phi", "stablelm", "gemma3-mm"]  # fmt: skip
 # (cohere: vLLM serves it with Command R+'s module and names, without the q/k norms; test_family_parity checks its
 # training)
 MOE = {"qwen3-moe", "qwen2-moe", "mixtral", "glm4-moe", "deepseek-v3", "moonlight", "deepseek-v2-lite", "olmoe",

@@ -51,7 +51,7 @@ def check(model_dir: Path, par) -> dict:
     from scalarlm.training import hf_io
     from scalarlm.training.convert import mcore_to_hf
     from scalarlm.training.data import Block, collate
-    from scalarlm.training.export import gather_tp_shards
+    from scalarlm.training.export import gather_tp_shards, keep_source_names
     from scalarlm.training.model import model_arch
 
     from scalarlm.protocol.errors import InvalidRequest
@@ -102,8 +102,8 @@ def check(model_dir: Path, par) -> dict:
     loss_diff, loss_rows = packed_loss_diff(loaded_model(arch, par, hf, parallel_output=True), packed, theirs_packed)
     shards = gather_tp_shards(model, arch, par)
     exact = None
-    if shards is not None:
-        back = mcore_to_hf(shards, arch)
+    if shards is not None:  # (a multimodal checkpoint's tower and projector are carried through as publish does)
+        back = keep_source_names(mcore_to_hf(shards, arch), model_dir, None, arch.carried)
         exact = set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
     return {
         "model": model_dir.name,
@@ -133,6 +133,10 @@ def grad_diff(model, ref, arch, ids: torch.Tensor, causal: torch.Tensor) -> floa
     (ref(ids).logits * weights).sum().backward()
     # a tied head is the embedding's (named once); transformers 5 loads GPT-NeoX's `embed_out` as `lm_head`
     theirs = {arch.hf_head if name == "lm_head.weight" else name: p.grad for name, p in ref.named_parameters()}
+    if arch.carried:  # a multimodal model's module tree names its text model otherwise than its checkpoint does
+        from transformers.core_model_loading import revert_weight_conversion
+
+        theirs = revert_weight_conversion(ref, {n: p.grad for n, p in ref.named_parameters() if p.grad is not None})
     buffers = {name: torch.zeros_like(b) for name, b in ref.named_buffers() if name in ref.state_dict()}
     try:
         mapped = hf_to_mcore({**buffers, **theirs}, arch)

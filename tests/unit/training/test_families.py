@@ -34,6 +34,7 @@ def arch_of(architecture: str = "LlamaForCausalLM", **changes) -> ModelArch:
 def _names_for(config: dict) -> list[str]:
     family = FAMILIES.get(config["architectures"][0], BY_NAME["llama"])
     config = family.read_config(config)
+    model_names = family.text_inside[0].model_names if family.text_inside else family.model_names
     tied = bool(config.get("tie_word_embeddings"))
     extra = family.extra(config)  # StarCoder2: its norms' and linears' biases
     shape = ModelArch(family=family.name, vocab_size=1, hidden_size=1, num_layers=config["num_hidden_layers"],
@@ -47,7 +48,7 @@ def _names_for(config: dict) -> list[str]:
                       qk_norm_over_projection=family.qk_norm_over_projection, norm_names=family.norm_names,
                       parallel_block=extra.pop("parallel_block", family.parallel_block),
                       qkv_grouped=family.qkv_grouped,
-                      attention_names=family.attention_names, model_names=family.model_names,
+                      attention_names=family.attention_names, model_names=model_names,
                       qkv_bias=family.qkv_bias_from_weights and any(config.get(k) for k in (
                           "attention_bias", "use_bias", "use_qkv_bias")),
                       **{k: v for k, v in extra.items() if k in ("layer_norm", "norm_bias", "linear_bias",
@@ -69,7 +70,7 @@ def test_registry_names_every_family_once() -> None:
                                             "deepseek_v2", "olmoe", "exaone4", "ernie4_5", "granite4",
                                             "granitemoe", "gpt_oss", "seed_oss", "starcoder2", "arcee", "nemotron",
                                             "apertus", "hunyuan", "cohere", "cohere2", "gpt_neox", "phi",
-                                            "stablelm"}
+                                            "stablelm", "gemma3_mm"}
     assert all(FAMILIES[a] is f for f in FAMILY_LIST for a in f.architectures)
 
 
@@ -205,6 +206,61 @@ def test_gemma3_reads_its_norms_scales_windows_and_two_rope_bases() -> None:
         arch_of(**GEMMA3, rope_parameters={"full_attention": {"rope_type": "yarn"}, "sliding_attention": {}})
     with pytest.raises(InvalidRequest, match="hidden_act 'silu' is not supported for gemma3"):
         arch_of(**{**GEMMA3, "hidden_activation": None, "hidden_act": "silu"})
+
+
+# google/gemma-3-4b-it's, -12b-it's and -27b-it's config.json (transformers 4.50): the text model's fields under
+# `text_config`, only those that differ from transformers' Gemma3TextConfig defaults.
+GEMMA3_4B = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "mm_tokens_per_image": 256,
+             "boi_token_index": 255999, "eoi_token_index": 256000, "image_token_index": 262144,
+             "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                             "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                             "sliding_window": 1024},
+             "vision_config": {"hidden_size": 1152, "image_size": 896, "model_type": "siglip_vision_model",
+                               "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}  # fmt: skip
+GEMMA3_27B_TEXT = {"head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504, "model_type": "gemma3_text",
+                   "num_attention_heads": 32, "num_hidden_layers": 62, "num_key_value_heads": 16,
+                   "query_pre_attn_scalar": 168, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                   "sliding_window": 1024}  # fmt: skip
+
+
+def test_multimodal_gemma3_trains_its_text_model_and_carries_the_vision_tower() -> None:
+    from transformers import Gemma3TextConfig
+
+    from scalarlm.training.families.gemma import GEMMA3_TEXT_DEFAULTS
+    from scalarlm.training.lora import peft_config
+    from scalarlm.protocol.training import LoraConfig
+
+    defaults = Gemma3TextConfig().to_dict()
+    assert GEMMA3_TEXT_DEFAULTS == {k: defaults[k] for k in GEMMA3_TEXT_DEFAULTS}
+    config = GEMMA3_4B  # (its tensor names as the hub's checkpoints and transformers 5 have them)
+    names = _names_for(config)
+    assert names[0].startswith("language_model.model.") and all(n.startswith("language_model.") for n in names)
+    arch = read_arch(config, [*names, "vision_tower.vision_model.post_layernorm.weight",
+                              "multi_modal_projector.mm_input_projection_weight"])  # fmt: skip
+    assert arch.family == "gemma3_mm"
+    shape = (arch.hidden_size, arch.num_layers, arch.num_heads, arch.num_kv_heads, arch.head_dim)
+    assert shape == (2560, 34, 8, 4, 256)
+    assert (arch.rope_theta, arch.local_rope_theta, arch.rope_linear_factor) == (1e6, 1e4, 8.0)
+    assert arch.windows == ((1024,) * 5 + (None,)) * 5 + (1024,) * 4 and arch.tied_embeddings
+    assert arch.vocab_size == 262208 and arch.softmax_scale == 256**-0.5 and arch.activation == "gelu_tanh"
+    assert arch.carried == ("vision_tower.", "multi_modal_projector.")
+    assert arch.hf_embedding == "language_model.model.embed_tokens.weight"
+    config_27b = {**GEMMA3_4B, "text_config": GEMMA3_27B_TEXT}
+    big = read_arch(config_27b, _names_for(config_27b))
+    assert (big.num_heads, big.num_kv_heads, big.head_dim, big.softmax_scale) == (32, 16, 128, 168**-0.5)
+    # as transformers 4.52-4.57 saved it: its module tree's names
+    renamed = [n.replace("language_model.model.", "model.language_model.", 1) for n in names]
+    newer = read_arch(config, [*renamed, "model.vision_tower.vision_model.post_layernorm.weight"])
+    assert newer.model_names[1] == "model.language_model.layers" and newer.hf_head == "lm_head.weight"
+    assert newer.carried == ("model.vision_tower.", "model.multi_modal_projector.")
+    with pytest.raises(InvalidRequest, match=r"gemma3_mm checkpoint map to nothing .*'model.embed_tokens.weight'"):
+        read_arch(config, [n.replace("language_model.model.", "model.", 1) for n in names])  # text-only names
+    # the adapter: PEFT keys on transformers' module tree, the tower and projector left out of its targets
+    adapter = peft_config(LoraConfig(), arch, "gemma-3-4b-it")
+    assert arch.adapter_layers == "model.language_model.layers"
+    assert re.fullmatch(adapter["exclude_modules"], "model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj")
+    assert not re.fullmatch(adapter["exclude_modules"], "model.language_model.layers.0.self_attn.q_proj")
+    assert peft_config(LoraConfig(), arch_of(**GEMMA3), "gemma-3-1b")["exclude_modules"] is None
 
 
 # google/gemma-7b's config.json fields: the GeLU named twice (exact in `hidden_act`, the tanh one it was trained with
