@@ -17,6 +17,7 @@ GeLU it was trained with); the trainer reads `hidden_activation` first, as vLLM 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from scalarlm.protocol.errors import InvalidRequest
@@ -131,14 +132,10 @@ def _text_config(config: dict[str, Any]) -> dict[str, Any]:
             "tie_word_embeddings": text["tie_word_embeddings"] if tied is None else tied}  # fmt: skip
 
 
-GEMMA3_MM = Family(
+GEMMA3_MM = replace(
+    GEMMA3,
     name="gemma3_mm",
     architectures=("Gemma3ForConditionalGeneration",),
-    qk_layernorm=True,
-    activations=frozenset({"gelu_pytorch_tanh"}),
-    sandwich_norms=True,
-    windows=_windows,
-    extra=_extra,
     read_config=_text_config,
     # As transformers 4.50 and 5 save it (the hub's), and as 4.52-4.57 saved it (their module tree's names).
     text_inside=(

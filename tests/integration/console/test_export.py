@@ -161,24 +161,32 @@ def test_export_refusals_and_export_into_the_home(server: Server, lora_job: str,
         assert sorted(p.name for p in (server.home / "exports").iterdir()) == [f"{lora_job}-step2-merged"]
 
 
+def _random_adapter(model, targets: list[str], dest: Path) -> None:
+    """A PEFT adapter (r 4, alpha 8) of `model` on `targets` with random A and B, saved to `dest`."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in peft.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.2 * torch.randn(param.shape, generator=gen))
+    peft.save_pretrained(dest)
+
+
 def test_bf16_merge_rounds_as_peft_does(tiny_model_dir: Path, tmp_path: Path) -> None:
     """A bf16 base: the NumPy merge is bit-equal to PEFT's merge on CPU (delta rounded to bf16, then the sum)."""
     import torch
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base_dir, adapter_dir, merged_dir = tmp_path / "base", tmp_path / "adapter", tmp_path / "merged"
     AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).save_pretrained(base_dir)
     for f in tiny_model_dir.glob("tokenizer*"):
         shutil.copy(f, base_dir / f.name)
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16)
-    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, param in peft.named_parameters():
-            if "lora_" in name:
-                param.copy_(0.2 * torch.randn(param.shape, generator=gen))
-    peft.save_pretrained(adapter_dir)
+    _random_adapter(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16), ["q_proj", "down_proj"],
+                    adapter_dir)  # fmt: skip
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16)
     reference = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     merge_lora(base_dir, adapter_dir, merged_dir)
@@ -194,21 +202,15 @@ def test_merge_of_a_multimodal_gemma3_adapter_names_the_checkpoints_weights(tmp_
     `model.vision_tower.*`), the checkpoint by the hub's names (`language_model.model.*`, `vision_tower.*`): the merge
     adds each delta to the checkpoint's weight, text model and vision tower alike, as PEFT's `merge_and_unload()`."""
     import torch
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS, make_tiny_model
 
     base_dir = make_tiny_model(tmp_path / "gemma3-mm", **FAMILY_TINY_MODELS["gemma3-mm"])
     adapter_dir, merged_dir = tmp_path / "adapter", tmp_path / "merged"
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj", "fc1"]))
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, param in peft.named_parameters():
-            if "lora_" in name:
-                param.copy_(0.2 * torch.randn(param.shape, generator=gen))
-    peft.save_pretrained(adapter_dir)
+    _random_adapter(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), ["q_proj", "down_proj", "fc1"],
+                    adapter_dir)  # fmt: skip
     reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
                                           adapter_dir).merge_and_unload().state_dict()  # fmt: skip
     merge_lora(base_dir, adapter_dir, merged_dir)
