@@ -31,6 +31,7 @@ from scalarlm.training.families.olmo import OLMO2, OLMO3
 from scalarlm.training.families.phi import PHI
 from scalarlm.training.families.phi3 import PHI3
 from scalarlm.training.families.qwen3 import QWEN3
+from scalarlm.training.families.refused import REFUSED as _NOT_YET
 from scalarlm.training.families.seed_oss import SEED_OSS
 from scalarlm.training.families.smollm3 import SMOLLM3
 from scalarlm.training.families.stablelm import STABLELM
@@ -56,7 +57,7 @@ FAMILY_LIST: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, PHI3, 
                                    HUNYUAN, COHERE, COHERE2, GPT_NEOX, PHI, STABLELM, GEMMA3_MM)  # fmt: skip
 FAMILIES: dict[str, Family] = {arch: f for f in FAMILY_LIST for arch in f.architectures}
 BY_NAME: dict[str, Family] = {f.name: f for f in FAMILY_LIST}
-REFUSED: dict[str, Refused] = {arch: r for r in (*_REFUSED, *_GRANITE_REFUSED) for arch in r.architectures}
+REFUSED: dict[str, Refused] = {arch: r for r in (*_REFUSED, *_GRANITE_REFUSED, *_NOT_YET) for arch in r.architectures}
 
 
 def read_arch(config: dict[str, Any], tensor_names: Iterable[str]) -> ModelArch:

@@ -91,7 +91,10 @@ def test_unknown_rope_type_is_named(serve, tiny_model_dir: Path, tmp_path: Path)
      ("GraniteMoeSharedForCausalLM", ("GraniteMoeSharedForCausalLM", "shared MLP beside the experts")),
      # a text-only checkpoint labelled multimodal: the text model's names are not where Gemma 3 4B-27B keeps them
      ("Gemma3ForConditionalGeneration", ("gemma3_mm checkpoint map to nothing", "model.embed_tokens.weight")),
-     ("PhimoeForCausalLM", ("PhimoeForCausalLM", "sparsemixer routing"))],
+     ("PhimoeForCausalLM", ("PhimoeForCausalLM", "sparsemixer routing")),
+     ("Mistral3ForConditionalGeneration", ("multimodal Mistral 3", "Magistral", "MistralForCausalLM checkpoints")),
+     ("Qwen3_5ForCausalLM", ("Qwen3_5ForCausalLM", "gated DeltaNet", "Qwen3-Next")),
+     ("Gemma4ForConditionalGeneration", ("Gemma 4 is not supported yet",))],
 )  # fmt: skip
 def test_unsupported_architecture_is_named(serve, tiny_model_dir: Path, tmp_path: Path, architecture: str,
                                            words: tuple[str, ...]) -> None:  # fmt: skip

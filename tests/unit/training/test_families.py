@@ -12,7 +12,7 @@ import pytest
 
 from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.protocol.training import ALL_LINEAR
-from scalarlm.training.families import BY_NAME, FAMILIES, FAMILY_LIST, hf_tensor_names, read_arch
+from scalarlm.training.families import BY_NAME, FAMILIES, FAMILY_LIST, REFUSED, hf_tensor_names, read_arch
 from scalarlm.training.families.spec import ACTIVATIONS, ModelArch, lora_targets, rules
 
 BASE = {
@@ -72,6 +72,7 @@ def test_registry_names_every_family_once() -> None:
                                             "apertus", "hunyuan", "cohere", "cohere2", "gpt_neox", "phi",
                                             "stablelm", "gemma3_mm"}
     assert all(FAMILIES[a] is f for f in FAMILY_LIST for a in f.architectures)
+    assert not set(FAMILIES) & set(REFUSED)  # an architecture is trained or refused, never both
 
 
 def test_llama3_rope_is_read_from_the_config_and_needs_all_its_fields() -> None:
