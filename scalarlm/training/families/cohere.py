@@ -1,16 +1,16 @@
-"""Cohere (`CohereForCausalLM`: Command R, Command R+, Aya 23, Aya Expanse 8B/32B) and Cohere2 (`Cohere2ForCausalLM`: Command R7B,
-Command A): attention and the MLP side by side on one input norm, `x + attn(norm(x)) + mlp(norm(x))` (megatron's
-sequential layer with the MLP reading the attention's normed input: `modules.apply_parallel_blocks`); LayerNorm without
-a bias, computed in fp32 (`layer_norm_eps`); RoPE on adjacent pairs of dims; a SwiGLU MLP; output logits multiplied by
-`logit_scale`; tied embeddings. Command R+ (`use_qk_norm`) adds LayerNorms over each head of q and k before RoPE, with
-a weight per head (`qk_norm_per_head`: `modules.HeadLayerNorm`). Cohere2 adds sliding-window layers (`layer_types`, or
-every `sliding_window_pattern`-th layer full, as transformers derives it) and leaves RoPE out of its full-attention
-layers.
+"""Cohere (`CohereForCausalLM`: Command R, Command R+, Aya 23, Aya Expanse 8B/32B) and Cohere2 (`Cohere2ForCausalLM`:
+Command R7B, Command A): attention and the MLP side by side on one input norm, `x + attn(norm(x)) + mlp(norm(x))`
+(megatron's sequential layer with the MLP reading the attention's normed input: `modules.apply_parallel_blocks`);
+LayerNorm without a bias, computed in fp32 (`layer_norm_eps`); RoPE on adjacent pairs of dims; a SwiGLU MLP; output
+logits multiplied by `logit_scale`; tied embeddings. Command R+ (`use_qk_norm`) adds LayerNorms over each head of q
+and k before RoPE, with a weight per head (`qk_norm_per_head`: `modules.apply_head_qk_norms`). Cohere2 adds
+sliding-window layers (`layer_types`, or every `sliding_window_pattern`-th layer full, as transformers derives it)
+and leaves RoPE out of its full-attention layers.
 
 Refused: a Cohere config without its RoPE fields (transformers would assume base 500000), `use_qk_norm` on Cohere2
-(transformers' Cohere2 has none). vLLM 0.32.0 serves
-Cohere2's sliding layers with one key more than transformers (window + 1, Cohere's training convention by vLLM's
-account); the trainer follows transformers, so a served answer can differ past the window (4096 in Command R7B).
+(transformers' Cohere2 has none). vLLM 0.32.0 serves Cohere2's sliding layers with one key more than transformers
+(window + 1, Cohere's training convention by vLLM's account); the trainer follows transformers, so a served answer can
+differ past the window (4096 in Command R7B).
 """
 
 from __future__ import annotations

@@ -65,26 +65,14 @@ class ProjectionRMSNorm(nn.Module):
 
 
 class FloatLayerNorm(nn.Module):
-    """LayerNorm with a weight and no bias, computed in fp32 with the weight applied in fp32, then cast back (HF's
-    CohereLayerNorm)."""
+    """LayerNorm over the last dim with a weight and no bias, computed in fp32 with the weight applied in fp32, then
+    cast back (HF's CohereLayerNorm). A weight of shape [heads, d] on megatron's [s, b, heads, d] q or k gives each head
+    its own (Command R+'s q/k norms; a TP rank holds its heads' rows)."""
 
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, shape: int | tuple[int, ...], eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return (F.layer_norm(x.float(), self.weight.shape, eps=self.eps) * self.weight.float()).type_as(x)
-
-
-class HeadLayerNorm(nn.Module):
-    """HF's CohereLayerNorm over each head of megatron's [s, b, heads, d] q or k: LayerNorm without a bias over d, in
-    fp32, times the head's own weight row ([heads, d]; a TP rank holds its heads' rows)."""
-
-    def __init__(self, heads: int, head_dim: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(heads, head_dim, dtype=dtype))
+        self.weight = nn.Parameter(torch.ones(shape, dtype=dtype))
 
     def forward(self, x: Tensor) -> Tensor:
         return (F.layer_norm(x.float(), x.shape[-1:], eps=self.eps) * self.weight.float()).type_as(x)
@@ -186,13 +174,13 @@ def apply_projection_qk_norms(model: nn.Module, arch: ModelArch, dtype: torch.dt
 
 
 def apply_head_qk_norms(model: nn.Module, arch: ModelArch, dtype: torch.dtype) -> None:
-    """q and k LayerNorms with a weight per head (`HeadLayerNorm`), out of megatron's `qk_layernorm` config as the
-    projection norms are: each rank's rows are its own heads', whose grads are not summed over TP."""
+    """q and k LayerNorms with a weight per head (`FloatLayerNorm` of [heads, d]), out of megatron's `qk_layernorm`
+    config as the projection norms are: each rank's rows are its own heads', whose grads are not summed over TP."""
     tp = model.config.tensor_model_parallel_size
     for layer in model.decoder.layers:
         attn = layer.self_attention
-        attn.q_layernorm = HeadLayerNorm(arch.num_heads // tp, arch.head_dim, arch.norm_eps, dtype)
-        attn.k_layernorm = HeadLayerNorm(arch.num_kv_heads // tp, arch.head_dim, arch.norm_eps, dtype)
+        attn.q_layernorm = FloatLayerNorm((arch.num_heads // tp, arch.head_dim), arch.norm_eps, dtype)
+        attn.k_layernorm = FloatLayerNorm((arch.num_kv_heads // tp, arch.head_dim), arch.norm_eps, dtype)
 
 
 def apply_qk_norms_after_rope(model: nn.Module) -> None:
