@@ -158,8 +158,8 @@ def serve_cli_args(settings: Settings, device: Device | None = None) -> list[str
     ]  # fmt: skip
     if eng.enforce_eager:
         argv.append("--enforce-eager")
-    argv += cpu_rotary_args(checkpoint_config(settings.model) or {}, device)
-    argv += model_impl_args(checkpoint_config(settings.model) or {})
+    config = checkpoint_config(settings.model) or {}
+    argv += cpu_rotary_args(config, device) + model_impl_args(config)
     if lora_enabled(settings, device):
         argv += ["--enable-lora", "--max-loras", str(eng.max_loras), "--max-lora-rank", str(eng.max_lora_rank)]
     if eng.tool_call_parser is not None:
