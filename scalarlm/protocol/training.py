@@ -28,7 +28,10 @@ def check_name(value: str, what: str = "name") -> str:
     return value
 
 
-ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # PEFT's names of a block
+# `target_modules`' default, PEFT's shorthand: every projection the family's adapters can be trained and served on.
+# Named modules are taken as named (one an adapter cannot have on the family is a 400), so the two stay apart.
+DEFAULT_TARGETS = "all-linear"
 
 
 def _one_name(values: Any, names: dict[str, str]) -> Any:
@@ -55,14 +58,14 @@ class LoraConfig(BaseModel):
     r: int = Field(8, ge=1, le=256)
     alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = Field(default_factory=lambda: list(ALL_LINEAR))
+    target_modules: list[str] = Field(default_factory=lambda: [DEFAULT_TARGETS])
 
     @model_validator(mode="before")
     @classmethod
     def _their_names(cls, values: Any) -> Any:
         values = _one_name(values, {"lora_alpha": "alpha", "lora_dropout": "dropout"})
-        if isinstance(values, dict) and values.get("target_modules") == "all-linear":
-            values["target_modules"] = list(ALL_LINEAR)  # PEFT's shorthand: every projection of the blocks
+        if isinstance(values, dict) and values.get("target_modules") == DEFAULT_TARGETS:
+            values["target_modules"] = [DEFAULT_TARGETS]  # (PEFT writes the shorthand as a string)
         return values
 
 

@@ -215,8 +215,9 @@ def peft_state(model: nn.Module, arch: ModelArch) -> dict[str, Tensor]:
     """The adapters as PEFT's adapter_model.safetensors keys (fp32 copies on CPU)."""
     out: dict[str, Tensor] = {}
     for i, layer in enumerate(model.decoder.layers):
+        modules = dict(layer.named_modules())  # (a mixture-of-experts layer has no mlp.linear_fc1)
         for path, (hf_module, _, _) in linears(arch).items():
-            lora = getattr(layer.get_submodule(path), "lora", None)
+            lora = getattr(modules.get(path), "lora", None)
             if lora is None:
                 continue
             for proj, pair in lora.pairs.items():

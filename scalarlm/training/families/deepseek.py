@@ -18,8 +18,11 @@ from __future__ import annotations
 from typing import Any
 
 from scalarlm.protocol.errors import InvalidRequest
-from scalarlm.training.families.moe import LORA_REFUSAL, sigmoid_experts, softmax_experts
+from scalarlm.training.families.moe import sigmoid_experts, softmax_experts
 from scalarlm.training.families.spec import Family, LatentAttention, rope_parameters
+
+LATENT_LORA = ("LoRA on multi-head latent attention (q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj) and on "
+               "mixture-of-experts MLPs is not implemented")
 
 
 def _latent_attention(config: dict[str, Any]) -> dict[str, Any]:
@@ -59,7 +62,7 @@ DEEPSEEK_V3 = Family(
     architectures=("DeepseekV3ForCausalLM",),
     rope_types=frozenset({"default", "yarn"}),
     extra=lambda config: {**_latent_attention(config), **_v3_experts(config)},
-    lora_refusal=LORA_REFUSAL,
+    lora_refusal=LATENT_LORA,
     notes="DeepSeek-V3: multi-latent attention (yarn on the rope dims), sigmoid-routed MoE with a fixed expert bias, "
           "group-limited top k and shared experts",
 )
@@ -69,7 +72,7 @@ DEEPSEEK_V2 = Family(
     architectures=("DeepseekV2ForCausalLM",),
     rope_types=frozenset({"default", "yarn"}),
     extra=lambda config: {**_latent_attention(config), **softmax_experts(config)},
-    lora_refusal=LORA_REFUSAL,
+    lora_refusal=LATENT_LORA,
     notes="DeepSeek-V2: multi-latent attention (yarn on the rope dims), softmax-routed MoE (greedy or group-limited "
           "top k, not renormalised) with shared experts",
 )

@@ -29,7 +29,7 @@ GLM4 = Family(
     **_GLM,
     sandwich_norms=True,
     norm_names=("post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
-    lora_unservable=(("gate_up_proj",), "vLLM 0.32 loads GLM-4-0414 adapters only on separate gate_proj / up_proj "
-                                        "modules, which the model does not have (it fuses them into gate_up_proj)"),
+    lora_excluded=(("gate_up_proj",), "vLLM 0.32 loads GLM-4-0414 adapters only on separate gate_proj / up_proj "
+                                      "modules, which the model does not have (it fuses them into gate_up_proj)"),
     notes="GLM's layers plus output norms after attention and the MLP",
 )

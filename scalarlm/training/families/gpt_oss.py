@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from scalarlm.protocol.errors import InvalidRequest
-from scalarlm.training.families.moe import LORA_REFUSAL, top_k_experts
+from scalarlm.training.families.moe import EXPERT_LORA, top_k_experts
 from scalarlm.training.families.spec import Family, layer_type_windows
 
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # what vLLM 0.32.0's GPT-OSS computes, whatever the config says
@@ -71,6 +71,6 @@ GPT_OSS = Family(
     windows=_windows,
     refuse=_refuse,
     extra=_extra,
-    lora_refusal=LORA_REFUSAL,
+    lora_excluded=EXPERT_LORA,
     notes="GPT-OSS: attention sinks, biases, alternating windows, YaRN; experts stacked with gate/up interleaved",
 )

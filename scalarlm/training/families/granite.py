@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from scalarlm.protocol.errors import InvalidRequest
-from scalarlm.training.families.moe import LORA_REFUSAL, top_k_experts
+from scalarlm.training.families.moe import EXPERT_LORA, top_k_experts
 from scalarlm.training.families.spec import Family, Refused
 
 GRANITE4_ATTENTION = ("attention", "full_attention")  # `layer_types` of an attention layer (transformers 5 renames it)
@@ -69,7 +69,7 @@ GRANITE_MOE = Family(
     name="granitemoe",
     architectures=("GraniteMoeForCausalLM",),
     extra=_granite_moe_extra,
-    lora_refusal=LORA_REFUSAL,
+    lora_excluded=EXPERT_LORA,
     notes="Granite 3.x MoE: Granite's multipliers + top-k experts stored stacked (block_sparse_moe.input_linear)",
 )
 

@@ -31,7 +31,11 @@ from typing import Any
 from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.training.families.spec import Family, every_layer_window, layer_type_windows
 
-LORA_REFUSAL = "LoRA on mixture-of-experts layers is not implemented (neither dense-only nor per-expert adapters)"
+# LoRA on a mixture-of-experts model adapts its attention; an adapter on its MLPs is refused by name.
+EXPERT_LORA = (("gate_proj", "up_proj", "down_proj"),
+               "adapters on a mixture-of-experts model's MLPs (routed and shared experts, dense layers) are not "
+               "implemented: target its attention (q_proj, k_proj, v_proj, o_proj; a Tinker LoRA client: "
+               "train_mlp=False)")
 
 
 def top_k_experts(config: dict[str, Any], norm_topk: bool) -> dict[str, Any]:
@@ -182,7 +186,7 @@ QWEN3_MOE = Family(
     rope_types=frozenset({"default", "yarn"}),
     windows=lambda config, layers: layer_type_windows(config, layers, bool(config.get("use_sliding_window"))),
     extra=_qwen3_moe,
-    lora_refusal=LORA_REFUSAL,
+    lora_excluded=EXPERT_LORA,
     notes="Qwen3 + top-k MoE (norm_topk_prob, decoder_sparse_step, mlp_only_layers)",
 )
 
@@ -193,7 +197,7 @@ QWEN2_MOE = Family(
     rope_types=frozenset({"default", "yarn"}),
     windows=lambda config, layers: layer_type_windows(config, layers, bool(config.get("use_sliding_window"))),
     extra=_qwen2_moe,
-    lora_refusal=LORA_REFUSAL,
+    lora_excluded=EXPERT_LORA,
     notes="Qwen2 attention (q/k/v biases) + top-k MoE with a sigmoid-gated shared expert",
 )
 
@@ -203,7 +207,7 @@ GLM4_MOE = Family(
     partial_rotary=0.5,
     qkv_bias_from_weights=True,
     extra=_glm4_moe,
-    lora_refusal=LORA_REFUSAL,
+    lora_excluded=EXPERT_LORA,
     notes="GLM-4.5: partial RoPE, q/k/v biases, sigmoid-routed MoE with a fixed expert bias and a shared expert",
 )
 
@@ -212,7 +216,7 @@ OLMOE = Family(
     architectures=("OlmoeForCausalLM",),
     qk_norm_over_projection=True,
     extra=_olmoe,
-    lora_refusal=LORA_REFUSAL,
+    lora_excluded=EXPERT_LORA,
     notes="OLMoE: Llama attention with q/k RMSNorm over the whole projection + top-k MoE on every layer",
 )
 
@@ -221,6 +225,6 @@ MIXTRAL = Family(
     architectures=("MixtralForCausalLM",),
     windows=every_layer_window,
     extra=_mixtral,
-    lora_refusal=LORA_REFUSAL,
+    lora_excluded=EXPERT_LORA,
     notes="Mistral + top-k MoE (block_sparse_moe, w1/w3/w2 experts)",
 )

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from scalarlm.protocol.errors import InvalidRequest
-from scalarlm.protocol.training import ALL_LINEAR
+from scalarlm.protocol.training import ALL_LINEAR, DEFAULT_TARGETS
 
 Kind = Literal["replicated", "dim0", "dim1", "qkv", "fc1"]
 ROPE_FIELD = "rope_parameters.rope_type"
@@ -339,9 +339,9 @@ class Family:
     sandwich_norms: bool = False
     input_norms: bool = True
     lora_refusal: str | None = None  # why LoRA is not supported for this family (None: it is)
-    # HF modules an adapter may not target on this family, and why (vLLM cannot load it there); the default targets
-    # (`all-linear`) leave them out, naming one is refused.
-    lora_unservable: tuple[tuple[str, ...], str] = ((), "")
+    # HF modules an adapter may not target on this family, and why (vLLM cannot load it there; a mixture-of-experts
+    # MLP); the default targets (`DEFAULT_TARGETS`, all-linear) leave them out, naming one is refused.
+    lora_excluded: tuple[tuple[str, ...], str] = ((), "")
     # A multimodal checkpoint's layouts of its text model (the checkpoint's names tell which it has); empty: one
     # text-only layout, `model_names`.
     text_inside: tuple[TextInside, ...] = ()
@@ -352,7 +352,7 @@ class Family:
     def lora_targets(self) -> tuple[str, ...]:
         """The HF module names (PEFT `target_modules`, what vLLM loads) this family's adapters may target."""
         attn, mlp, down = hf_projections(self.fused_qkv, self.fused_gate_up, self.mlp_names, self.attention_names)
-        return tuple(m for m in (*attn, self.attention_names[2], *mlp, down) if m not in self.lora_unservable[0])
+        return tuple(m for m in (*attn, self.attention_names[2], *mlp, down) if m not in self.lora_excluded[0])
 
     @property
     def fused_lora_names(self) -> dict[str, tuple[str, ...]]:
@@ -848,12 +848,12 @@ def lora_targets(family: Family, target_modules: Iterable[str]) -> list[str]:
     allowed = family.lora_targets
     fused_names = family.fused_lora_names
     requested = set(target_modules)
-    unservable, why = family.lora_unservable
-    if requested == set(ALL_LINEAR):  # the default: every module an adapter of this family can be served on
-        requested -= {part for fused in unservable for part in (fused, *fused_names.get(fused, ()))}
+    excluded, why = family.lora_excluded
+    if requested == {DEFAULT_TARGETS}:  # every module an adapter of this family can be trained and served on
+        requested = set(ALL_LINEAR) - {part for fused in excluded for part in (fused, *fused_names.get(fused, ()))}
     if not family.gated_mlp and requested >= {"gate_proj", "up_proj", "down_proj"}:
         requested -= {"gate_proj"}  # the whole MLP in PEFT's names (the default, Tinker's train_mlp): an ungated one's
-    for fused in unservable:
+    for fused in excluded:
         if named := sorted(requested & {fused, *fused_names.get(fused, ())}):
             raise InvalidRequest(f"lora_config.target_modules {named}: not supported for {family.name}: {why}",
                                  param="train_args")  # fmt: skip

@@ -1,7 +1,8 @@
 """StableLM (`StableLmForCausalLM`: stablelm-3b-4e1t, stablelm-2-1_6b and its chat/zephyr models, stable-code-3b):
 Llama's layers with LayerNorms (with biases; `layer_norm_eps`), RoPE on the leading `partial_rotary_factor` of each
 head (0.25 when absent, as transformers assumes), q/k/v biases where the checkpoint has them (`use_qkv_bias`), none on
-o_proj or the SwiGLU MLP, untied embeddings. Full weights only: vLLM 0.32.0's StableLM serves no LoRA adapter.
+o_proj or the SwiGLU MLP, untied embeddings. vLLM 0.32.0's StableLM serves no LoRA adapter: the engine gets no LoRA
+slots for it and serves each adapter merged into the base (inference/hot_swap.py).
 Refused, as vLLM 0.32.0 would serve them otherwise than transformers: `use_parallel_residual` and `qk_layernorm`
 (stablelm-2-12b's; vLLM builds the sequential layer without q/k norms), and `hidden_dropout` (transformers drops the
 MLP's output only, not attention's).
@@ -13,8 +14,6 @@ from typing import Any
 
 from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.training.families.spec import Family
-
-LORA_REFUSAL = "vLLM 0.32.0 serves no LoRA adapter on StableLM (its StablelmForCausalLM has no LoRA support)"
 
 
 def _refuse(config: dict[str, Any]) -> None:
@@ -35,6 +34,5 @@ STABLELM = Family(
     qkv_bias_from_weights=True,
     refuse=_refuse,
     extra=lambda config: {"layer_norm": True, "norm_eps": float(config.get("layer_norm_eps") or 1e-5)},
-    lora_refusal=LORA_REFUSAL,
-    notes="StableLM 2 / 3B-4E1T: LayerNorm, partial RoPE, q/k/v biases; full weights only",
+    notes="StableLM 2 / 3B-4E1T: LayerNorm, partial RoPE, q/k/v biases",
 )

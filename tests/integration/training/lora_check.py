@@ -26,18 +26,16 @@ def check(model_dir: Path, out: Path, par) -> dict:
     from scalarlm.protocol.training import LoraConfig
     from scalarlm.training import hf_io, lora
     from scalarlm.training.convert import hf_to_mcore, mark_tensor_parallel
-    from scalarlm.training.model import build_gpt_model, model_arch
+    from scalarlm.training.model import build_gpt_model, check_tensor_parallel, model_arch
 
     from scalarlm.protocol.errors import InvalidRequest
-    from scalarlm.training.families import family_of
 
     arch = model_arch(model_dir)
-    if family_of(arch).lora_refusal is not None:  # e.g. mixture of experts: the trainer refuses LoRA
-        try:
-            lora.check_targets(LoraConfig(r=4, alpha=8), arch)
-        except InvalidRequest as e:
-            return {"model": model_dir.name, "tp": par.tp_size, "refused": e.message}
-        return {"model": model_dir.name, "tp": par.tp_size, "refused": None}
+    try:  # refused by name (at submission too): LoRA on the family (DeepSeek's latent attention), or this TP size
+        check_tensor_parallel(arch, par.tp_size)
+        lora.check_targets(LoraConfig(r=4, alpha=8), arch)
+    except InvalidRequest as e:
+        return {"model": model_dir.name, "tp": par.tp_size, "refused": e.message}
     model = build_gpt_model(arch, par.tp_size, bf16=False, parallel_output=False)
     params = dict(model.named_parameters())
     with torch.no_grad():

@@ -8,7 +8,7 @@ import pytest
 
 from scalarlm.config import TrainingSettings
 from scalarlm.protocol.errors import InvalidRequest
-from scalarlm.protocol.training import ALL_LINEAR
+from scalarlm.protocol.training import DEFAULT_TARGETS
 from scalarlm.server.jobs import parse_train_args
 
 
@@ -18,7 +18,7 @@ def test_scalarlm_names_are_ours() -> None:
     args = parse_train_args(upstream, TrainingSettings())
     assert args.max_grad_norm == 0.5
     assert (args.lora_config.r, args.lora_config.alpha, args.lora_config.dropout) == (4, 32.0, 0.1)
-    assert args.lora_config.target_modules == ALL_LINEAR
+    assert args.lora_config.target_modules == [DEFAULT_TARGETS]  # the family's default targets
     same = parse_train_args({"gradient_clip_value": 2.0, "max_grad_norm": 2.0}, TrainingSettings())
     assert same.max_grad_norm == 2.0
     dumped = parse_train_args(args.model_dump(), TrainingSettings())  # what job.yaml holds reads back the same

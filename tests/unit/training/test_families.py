@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from scalarlm.protocol.errors import InvalidRequest
-from scalarlm.protocol.training import ALL_LINEAR
+from scalarlm.protocol.training import ALL_LINEAR, DEFAULT_TARGETS
 from scalarlm.training.families import BY_NAME, FAMILIES, FAMILY_LIST, REFUSED, hf_tensor_names, read_arch
 from scalarlm.training.families.spec import ACTIVATIONS, ModelArch, lora_targets, rules
 
@@ -335,14 +335,14 @@ def test_an_ungated_mlp_takes_lora_on_its_own_two_projections() -> None:
     # without the rest of the MLP is refused
     starcoder2, arcee = BY_NAME["starcoder2"], BY_NAME["arcee"]
     attn = ["q_proj", "k_proj", "v_proj", "o_proj"]
-    assert lora_targets(starcoder2, ALL_LINEAR) == [*attn, "c_fc", "c_proj"]
+    assert lora_targets(starcoder2, [DEFAULT_TARGETS]) == [*attn, "c_fc", "c_proj"]
     mlp = ["gate_proj", "up_proj", "down_proj"]
     assert lora_targets(starcoder2, mlp) == ["c_fc", "c_proj"] and lora_targets(arcee, mlp) == ["up_proj", "down_proj"]
     assert lora_targets(BY_NAME["gpt_neox"], mlp) == ["dense_h_to_4h", "dense_4h_to_h"]
     assert lora_targets(BY_NAME["phi"], mlp) == ["fc1", "fc2"]
     assert lora_targets(starcoder2, ["up_proj", "down_proj"]) == ["c_fc", "c_proj"]
     assert lora_targets(starcoder2, ["c_fc", "q_proj"]) == ["q_proj", "c_fc"]
-    assert lora_targets(arcee, ALL_LINEAR) == [*attn, "up_proj", "down_proj"]
+    assert lora_targets(arcee, [DEFAULT_TARGETS]) == [*attn, "up_proj", "down_proj"]
     assert lora_targets(arcee, ["up_proj"]) == ["up_proj"]
     for family in (starcoder2, arcee):
         with pytest.raises(InvalidRequest, match=rf"\['gate_proj'\] not supported for {family.name}; choose from"):
@@ -384,7 +384,7 @@ def test_nemotron_reads_zero_centred_layer_norms_half_rope_and_an_ungated_mlp() 
     names = set(hf_tensor_names(arch))
     assert {"model.layers.0.input_layernorm.bias", "model.norm.bias", "model.layers.1.mlp.up_proj.weight"} <= names
     assert not any("gate" in n for n in names)
-    assert lora_targets(BY_NAME["nemotron"], ALL_LINEAR) == ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj",
+    assert lora_targets(BY_NAME["nemotron"], [DEFAULT_TARGETS]) == ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj",
                                                             "down_proj"]  # fmt: skip
 
 
@@ -519,7 +519,7 @@ def test_gpt_neox_reads_pythias_names_its_parallel_residual_and_partial_rope() -
     assert names["decoder.layers.0.pre_mlp_layernorm.bias"] == (("gpt_neox.layers.0.post_attention_layernorm.bias",),
                                                                  "replicated")  # fmt: skip
     assert names["decoder.final_layernorm.weight"][0] == ("gpt_neox.final_layer_norm.weight",)
-    assert lora_targets(BY_NAME["gpt_neox"], ALL_LINEAR) == ["query_key_value", "dense", "dense_h_to_4h",
+    assert lora_targets(BY_NAME["gpt_neox"], [DEFAULT_TARGETS]) == ["query_key_value", "dense", "dense_h_to_4h",
                                                             "dense_4h_to_h"]  # fmt: skip
     sequential = arch_of("GPTNeoXForCausalLM", **{**PYTHIA, "use_parallel_residual": False, "hidden_dropout": 0.1})
     assert not sequential.parallel_block and (sequential.hidden_dropout, sequential.embedding_dropout) == (0.1, 0.1)
@@ -547,7 +547,7 @@ def test_phi_reads_a_parallel_block_on_one_layer_norm_biases_and_the_output_bias
     assert names["decoder.layers.0.self_attention.linear_proj.bias"] == ("model.layers.0.self_attn.dense.bias",)
     assert names["decoder.layers.1.mlp.linear_fc1.weight"] == ("model.layers.1.mlp.fc1.weight",)
     assert not any("pre_mlp_layernorm" in name for name in names)  # one norm per layer
-    assert lora_targets(BY_NAME["phi"], ALL_LINEAR) == ["q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"]
+    assert lora_targets(BY_NAME["phi"], [DEFAULT_TARGETS]) == ["q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"]
     with pytest.raises(InvalidRequest, match="qk_layernorm=true .* is not supported for phi"):
         arch_of("PhiForCausalLM", **{**PHI2, "qk_layernorm": True})
 
@@ -568,8 +568,9 @@ def test_stablelm_reads_layer_norms_partial_rope_and_qkv_biases_and_refuses_what
             arch_of("StableLmForCausalLM", **{**STABLELM2, field: True})
     with pytest.raises(InvalidRequest, match="hidden_dropout=0.1 is not supported for stablelm"):
         arch_of("StableLmForCausalLM", **{**STABLELM2, "hidden_dropout": 0.1})
-    with pytest.raises(InvalidRequest, match="adapter_type 'lora' is not supported for stablelm: vLLM 0.32.0"):
-        lora_targets(BY_NAME["stablelm"], ALL_LINEAR)
+    # vLLM 0.32.0's StableLM takes no adapter: the engine serves them merged (hot_swap), so LoRA trains as on Llama
+    assert lora_targets(BY_NAME["stablelm"], [DEFAULT_TARGETS]) == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                             "up_proj", "down_proj"]  # fmt: skip
 
 
 def test_phi3_trains_with_its_residual_dropout_as_transformers_applies_it() -> None:
@@ -618,7 +619,7 @@ def test_granite4_refuses_mamba_layers_and_experts_naming_the_field(changes: dic
 def test_granite4_lora_targets_its_own_mlp_names() -> None:
     granite4 = BY_NAME["granite4"]
     mlp = ["input_linear", "output_linear"]
-    assert lora_targets(granite4, ALL_LINEAR) == ["q_proj", "k_proj", "v_proj", "o_proj", *mlp]
+    assert lora_targets(granite4, [DEFAULT_TARGETS]) == ["q_proj", "k_proj", "v_proj", "o_proj", *mlp]
     assert lora_targets(granite4, ["down_proj"]) == ["output_linear"]
     assert lora_targets(granite4, ["q_proj", *mlp]) == ["q_proj", *mlp]
     with pytest.raises(InvalidRequest, match=r"fuses \['gate_proj', 'up_proj'\] into 'input_linear'"):
@@ -743,9 +744,9 @@ def test_glm4_reads_half_interleaved_rope_qkv_biases_and_its_output_norm_names()
     assert "model.layers.0.self_attn.o_proj.bias" not in {n for rule in rules(arch) for n in rule.hf}
     # LoRA: vLLM 0.32 loads a GLM-4 adapter's MLP input only as gate_proj / up_proj, which GLM-4 fuses: left out.
     glm4 = BY_NAME["glm4"]
-    assert lora_targets(glm4, ALL_LINEAR) == ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]
-    for named in (["gate_up_proj"], ["q_proj", "up_proj"]):
-        with pytest.raises(InvalidRequest, match=r"target_modules \['(gate_up|up)_proj'\]: not supported for glm4"):
+    assert lora_targets(glm4, [DEFAULT_TARGETS]) == ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]
+    for named in (["gate_up_proj"], ["q_proj", "up_proj"], ALL_LINEAR):  # (every name, as Tinker's train_mlp asks)
+        with pytest.raises(InvalidRequest, match=r"target_modules \[.*'(gate_up|up)_proj'\]: not supported for glm4"):
             lora_targets(glm4, named)
     with pytest.raises(InvalidRequest, match="attention_bias"):  # Llama's attention_bias biases o_proj too
         arch_of("LlamaForCausalLM", attention_bias=True)

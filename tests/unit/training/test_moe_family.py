@@ -10,7 +10,7 @@ import pytest
 
 from scalarlm.launcher.model_check import check_base_model
 from scalarlm.protocol.errors import InvalidRequest
-from scalarlm.protocol.training import TrainArgs
+from scalarlm.protocol.training import ALL_LINEAR, DEFAULT_TARGETS, TrainArgs
 from scalarlm.training.families import BY_NAME, check_tensor_parallel, hf_tensor_names, read_arch, rules
 from scalarlm.training.families.spec import ModelArch, lora_targets
 
@@ -166,21 +166,40 @@ def test_tensor_parallel_must_split_the_experts() -> None:
         check_tensor_parallel(_shape({**QWEN3_MOE, "moe_intermediate_size": 127}), 2)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "olmoe", "deepseek_v2",
-                                    "deepseek_v3"])
-def test_lora_on_moe_is_refused_naming_adapter_type(family: str) -> None:
-    with pytest.raises(InvalidRequest, match="adapter_type 'lora' is not supported for " + family) as e:
+MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "olmoe", "granitemoe", "gpt_oss"]
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_lora_on_moe_targets_the_attention_and_refuses_an_mlp_target_by_name(family: str) -> None:
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert lora_targets(BY_NAME[family], [DEFAULT_TARGETS]) == attention  # the default (all-linear): the attention
+    assert lora_targets(BY_NAME[family], ["v_proj", "q_proj"]) == ["q_proj", "v_proj"]
+    # every name (what a Tinker LoRA client's train_attn and train_mlp ask for) is refused: the MLP is named
+    for named in (["gate_proj"], ["q_proj", "down_proj"], ["up_proj", "gate_proj"], ALL_LINEAR):
+        with pytest.raises(InvalidRequest, match=r"target_modules \[.*_proj'\]: not supported for .*: adapters on a "
+                                                 r"mixture-of-experts model's MLPs .* train_mlp=False") as e:
+            lora_targets(BY_NAME[family], named)
+        assert e.value.param == "train_args"
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_lora_on_latent_attention_is_refused_naming_adapter_type(family: str) -> None:
+    with pytest.raises(InvalidRequest, match=f"adapter_type 'lora' is not supported for {family}: LoRA on multi-head "
+                                             "latent attention") as e:  # fmt: skip
         lora_targets(BY_NAME[family], ["q_proj"])
     assert e.value.param == "train_args"
 
 
-def test_submission_refuses_lora_on_a_moe_base_model(tmp_path: Path) -> None:
+def test_submission_takes_an_attention_adapter_on_a_moe_base_model_and_refuses_an_expert_one(tmp_path: Path) -> None:
     from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS, make_tiny_model
+    from scalarlm.protocol.training import LoraConfig
 
     model = make_tiny_model(tmp_path / "qwen3-moe", **FAMILY_TINY_MODELS["qwen3-moe"])
     check_base_model(str(model), TrainArgs(adapter_type="full"))
-    with pytest.raises(InvalidRequest, match="adapter_type 'lora' is not supported for qwen3_moe") as e:
-        check_base_model(str(model), TrainArgs(adapter_type="lora"))
+    check_base_model(str(model), TrainArgs(adapter_type="lora"))
+    experts = TrainArgs(adapter_type="lora", lora_config=LoraConfig(target_modules=["q_proj", "gate_proj"]))
+    with pytest.raises(InvalidRequest, match=r"\['gate_proj'\]: not supported for qwen3_moe") as e:
+        check_base_model(str(model), experts)
     assert e.value.param == "train_args"
 
 
@@ -352,8 +371,3 @@ def test_gpt_oss_reads_interleaved_experts_biases_and_sinks() -> None:
 def test_gpt_oss_refusals_name_what_to_fix(config: dict, words: str) -> None:
     with pytest.raises(InvalidRequest, match=words):
         read_arch(config, GPT_OSS_NAMES)
-
-
-def test_gpt_oss_lora_is_refused_by_name() -> None:
-    with pytest.raises(InvalidRequest, match="adapter_type 'lora' is not supported for gpt_oss"):
-        lora_targets(BY_NAME["gpt_oss"], ["q_proj"])
