@@ -122,9 +122,9 @@ def model_impl_args(config: dict) -> list[str]:
 def lora_enabled(settings: Settings, device: Device) -> bool:
     """Whether the engine gets LoRA slots: `engine.enable_lora`, except for a mixture-of-experts model on CPU. vLLM
     0.32.0's LoRA wrapper of the fused-MoE layer runs Triton kernels, which the CPU build lacks: the EngineCore died
-    on its first forward (measured, "triton.language has no attribute float32"). No MoE adapter can be trained here
-    anyway (the MoE families refuse LoRA). Nor for a model whose vLLM class takes no adapters (`lora_servable`:
-    StableLM), on which vLLM would not start with LoRA slots (the trainer refuses its LoRA jobs too)."""
+    on its first forward (measured, "triton.language has no attribute float32"). Nor for a model whose vLLM class
+    takes no adapters (`lora_servable`: StableLM), on which vLLM would not start with LoRA slots. An engine without
+    slots serves each adapter merged into the base (`hot_swap.WeightsManager`)."""
     if not settings.engine.enable_lora:
         return False
     architectures = list((checkpoint_config(settings.model) or {}).get("architectures") or [])

