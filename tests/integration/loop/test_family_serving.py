@@ -2,20 +2,22 @@
 
 Two SFT jobs (full weights and LoRA, training side by side) publish checkpoints that open in `transformers` (PEFT
 for the adapter); the served greedy answer for each job, after the hot swap, equals `transformers` greedy on that
-checkpoint, and so does each chosen token's logprob (but for variants vLLM loads as another family: SFT_CHECKED_BY,
-LORA_CHECKED_BY). One GRPO step
-trains and publishes for qwen3, qwen3-moe and deepseek-v3 (GRPO_FAMILIES): the rest of the dense families' GRPO path is
-their SFT forward (a token's logprob is minus its cross-entropy), which their SFT jobs here and test_family_parity
-check, and the loss itself is family-blind (tests/unit/training/test_grpo.py, test_grpo_padding_free). One
-module-scoped server per family (the next family's boots while this one's tests run), a few steps per job.
-Mixture-of-experts families (MOE) and StableLM train full weights only and are served after the same hot
-swap; their LoRA job is refused at submission with a 400 naming adapter_type; a MoE GRPO job (qwen3-moe's with and
-without routing replay, deepseek-v3's with it) takes two steps per batch and reports the changed-routing fraction.
+checkpoint, and so does each chosen token's logprob (but where another family's job checks the same serving path:
+SFT_CHECKED_BY, LORA_CHECKED_BY). One GRPO step trains and publishes for qwen3, qwen3-moe and deepseek-v3
+(GRPO_FAMILIES): the rest of the dense families' GRPO path is their SFT forward (a token's logprob is minus its
+cross-entropy), which their SFT jobs here and test_family_parity check, and the loss itself is family-blind
+(tests/unit/training/test_grpo.py, test_grpo_padding_free). One module-scoped server per family (the next family's
+boots while this one's tests run), a few steps per job. On a mixture-of-experts model (MOE) an adapter targets the
+attention (an expert target is a 400) and, as on StableLM, the CPU engine has no LoRA slots: the adapter is served
+merged into the base (qwen3-moe's job checks that path for all of them). DeepSeek's latent attention takes no
+adapter (LORA_REFUSED: a 400 naming adapter_type). A MoE GRPO job (qwen3-moe's with and without routing replay,
+deepseek-v3's with it) takes two steps per batch and reports the changed-routing fraction.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,17 +28,17 @@ from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ["qwen3", "qwen3-yarn", "llama3", "phi3", "phi4-mini", "smollm3", "mistral", "gemma", "gemma2", "gemma3",
+FAMILIES = ["qwen3", "qwen3-yarn", "llama3", "phi3", "phi4-mini", "mistral", "smollm3", "gemma", "gemma2", "gemma3",
             "olmo2", "olmo3", "exaone4", "ernie4.5", "granite", "granite4", "glm", "glm4", "qwen3-moe", "qwen2-moe",
             "mixtral", "glm4-moe", "deepseek-v3", "moonlight", "deepseek-v2-lite", "olmoe", "granite-moe",
-            "gpt-oss", "seed-oss", "starcoder2", "arcee", "nemotron", "apertus", "hunyuan",
+            "gpt-oss", "seed-oss", "starcoder2", "nemotron", "arcee", "apertus", "hunyuan",
             "command-r-plus", "cohere2", "gpt-neox", "phi", "stablelm", "gemma3-mm"]  # fmt: skip
 # (cohere: vLLM serves it with Command R+'s module and names, without the q/k norms; test_family_parity checks its
 # training)
 MOE = {"qwen3-moe", "qwen2-moe", "mixtral", "glm4-moe", "deepseek-v3", "moonlight", "deepseek-v2-lite", "olmoe",
        "granite-moe", "gpt-oss"}  # fmt: skip
-# LoRA refused at submission: no MoE adapter rule yet; vLLM 0.32.0's StableLM serves no adapter
-LORA_REFUSED = {*MOE, "stablelm"}
+# LoRA refused at submission: no adapter rule for multi-head latent attention
+LORA_REFUSED = {"deepseek-v3", "moonlight", "deepseek-v2-lite"}
 # One GRPO job through the server per kind of router: qwen3-moe's softmax top-k (with and without routing replay) and
 # deepseek-v3's grouped sigmoid routing with shared experts. Every MoE model's replay is checked layer by layer in
 # test_moe_parity (moe_replay_check.py), and a GRPO job publishes through the same export as the SFT job here.
@@ -44,11 +46,22 @@ GRPO_FAMILIES = {"qwen3", "qwen3-moe", "deepseek-v3"}
 # Variants whose trained weights and adapters vLLM loads by the same module and names as the family they vary (their
 # RoPE is what differs, which their base test checks): their SFT jobs would repeat that family's.
 # (Moonlight: DeepSeek-V3's module and names but one `q_proj`, the path deepseek-v2-lite's job takes in that module.)
-SFT_CHECKED_BY = {"qwen3-yarn": "qwen3", "phi4-mini": "phi3", "moonlight": "deepseek-v3"}
-# Adapters that vLLM's Transformers backend loads under OLMo 2's module names (q/k/v/o_proj, gate/up/down_proj; the
-# backend wraps the same Linear layers whatever the model's code around them): olmo2's LoRA job checks them.
-LORA_CHECKED_BY = {**SFT_CHECKED_BY, **dict.fromkeys(("olmo3", "smollm3", "seed-oss", "hunyuan"), "olmo2"),
-                   "cohere2": "command-r-plus"}  # (vLLM's Command R module, the same adapter names)
+VARIANTS = {"qwen3-yarn": "qwen3", "phi4-mini": "phi3", "moonlight": "deepseek-v3"}
+# Families vLLM 0.32.0 serves on its Transformers backend (transformers' own modules; checked against vLLM's registry
+# below). A full-weight step reloads by the checkpoint's names, which are the base's (the round trip in
+# test_family_parity is bit-exact) and so the names the boot loaded: olmo2's full job checks that reload for all.
+TRANSFORMERS_BACKEND = ("olmo2", "smollm3", "olmo3", "glm", "seed-oss", "starcoder2", "arcee", "hunyuan", "gpt-neox",
+                        "phi")  # fmt: skip
+SFT_CHECKED_BY = {**VARIANTS, **dict.fromkeys(TRANSFORMERS_BACKEND[1:], "olmo2")}
+# Adapters the backend loads on the same kind of Linear layers under the same PEFT names: olmo2's LoRA job checks
+# q/k/v/o_proj and a gated gate/up/down_proj, starcoder2's an ungated MLP's two projections (Arcee's up/down_proj,
+# Phi's fc1/fc2). GLM's fused gate_up_proj and GPT-NeoX's fused, head-interleaved query_key_value keep their own jobs.
+LORA_CHECKED_BY = {**VARIANTS, **dict.fromkeys(("olmo3", "smollm3", "seed-oss", "hunyuan"), "olmo2"),
+                   **dict.fromkeys(("arcee", "phi"), "starcoder2"),
+                   "cohere2": "command-r-plus",  # (vLLM's Command R module, the same adapter names)
+                   # Served merged into the base (no LoRA slots on this engine: `engine.lora_enabled`), by the same
+                   # merge and full-weight swap whatever the family (attention adapters; = PEFT in test_family_parity)
+                   **dict.fromkeys(sorted(MOE - LORA_REFUSED - {"qwen3-moe"}) + ["stablelm"], "qwen3-moe")}
 PROMPTS = ["What is the capital of France?", "What do bees make?", "What colour is the sky?"]
 FACTS = [{"input": p, "output": o} for p, o in zip(PROMPTS, [" Paris", " honey", " blue"])]
 TOKENS = 6
@@ -160,10 +173,20 @@ def _served_like_transformers(url: str, base: Path, job: Any) -> None:
                            logprobs=0)  # fmt: skip
     assert [(r.model, r.version) for r in results] == [(job.id, step)] * len(PROMPTS)
     answers, logprobs = _hf_greedy(base, checkpoint)
-    assert [r.response for r in results] == answers
+    assert [r.response for r in results] == [answer.rstrip("\ufffd") for answer in answers]  # (as the base test's)
     for result, expected in zip(results, logprobs, strict=True):
         assert result.logprobs == pytest.approx(expected, abs=1e-3), (result.logprobs, expected)
     assert min(map(len, logprobs)) >= 1
+
+
+def test_the_families_checked_by_olmo2_are_served_on_vllms_transformers_backend() -> None:
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    from scalarlm.training.families import BY_NAME
+
+    for name in TRANSFORMERS_BACKEND:
+        for architecture in BY_NAME[FAMILY_TINY_MODELS[name]["family"]].architectures:
+            assert ModelRegistry.models[architecture].module_name.endswith(".transformers"), (name, architecture)
 
 
 def test_the_base_model_is_served_like_transformers(family_server: tuple[str, str, Path],
@@ -189,21 +212,27 @@ def test_sft_job_is_served_like_transformers(family_server: tuple[str, str, Path
         from scalarlm.protocol.errors import InvalidRequest
 
         llm = scalarlm.ScalarLM(api_url=url, timeout=600)
-        refused = ("adapter_type 'lora' is not supported for "
-                   "(qwen[23]_moe|mixtral|glm4_moe|deepseek_v[23]|olmoe|granitemoe|gpt_oss|stablelm)")
+        refused = "adapter_type 'lora' is not supported for deepseek_v[23]: LoRA on multi-head latent attention"
         with pytest.raises(InvalidRequest, match=refused) as e:
             llm.train(FACTS, train_args={**TRAIN, "adapter_type": "lora"})
         assert e.value.param == "train_args"
         return
     if (other := _checked_by(family, adapter_type)) is not None:
-        pytest.skip(f"{family}: vLLM loads its {adapter_type} weights as {other}'s, whose job checks them")
+        pytest.skip(f"{family}: its {adapter_type} serving path is {other}'s, whose job checks it (*_CHECKED_BY)")
+    if family in MOE and adapter_type == "lora":  # the attention only: an expert adapter is refused at submission
+        from scalarlm.protocol.errors import InvalidRequest
+
+        llm = scalarlm.ScalarLM(api_url=url, timeout=600)
+        lora = {"adapter_type": "lora", "lora_config": {"target_modules": ["q_proj", "gate_proj"]}}
+        with pytest.raises(InvalidRequest, match=r"\['gate_proj'\]: not supported for .*: adapters on a mixture-of-"):
+            llm.train(FACTS, train_args={**TRAIN, **lora})
     _served_like_transformers(url, base, sft_jobs[adapter_type])
 
 
 def test_one_grpo_step_trains_and_publishes(family_server: tuple[str, str, Path]) -> None:
     family, url, _ = family_server
     if family not in GRPO_FAMILIES:
-        jobs = f"{SFT_CHECKED_BY[family]}'s SFT jobs" if family in SFT_CHECKED_BY else "the SFT jobs"
+        jobs = f"{VARIANTS[family]}'s SFT jobs" if family in VARIANTS else "the SFT jobs"
         if family in MOE:
             jobs += "; its routing replay by test_moe_parity"
         pytest.skip(f"{family}: its GRPO forward is its SFT forward, checked by {jobs} (see the docstring)")
@@ -229,6 +258,35 @@ def test_one_grpo_step_trains_and_publishes(family_server: tuple[str, str, Path]
         assert first["moe_load_balancing_loss"] > 0 and second["batch_step"] == 2
 
 
+def _tinker_datum(base: Path) -> tuple[Any, Any]:
+    """One Tinker cross-entropy datum (the first prompt and " Paris") and transformers' logprob of each target token
+    on the base."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    types = pytest.importorskip("tinker").types
+    seq = AutoTokenizer.from_pretrained(base)(PROMPTS[0] + " Paris").input_ids
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()(torch.tensor([seq[:-1]])).logits
+    expected = torch.log_softmax(logits[0].double(), -1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0].numpy()
+    inputs = {"target_tokens": np.array(seq[1:]), "weights": np.ones(len(seq) - 1, np.float32)}
+    datum = types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]),
+                        loss_fn_inputs={k: types.TensorData.from_numpy(v) for k, v in inputs.items()})  # fmt: skip
+    return datum, expected
+
+
+@contextmanager
+def _tinker_service(url: str) -> Iterator[tuple[Any, str]]:
+    """A Tinker ServiceClient on the server and the name of its base model; closed after the block."""
+    tinker = pytest.importorskip("tinker")
+    service = tinker.ServiceClient(base_url=url, api_key="tml-unused")
+    try:
+        yield service, service.get_server_capabilities().supported_models[0].model_name
+    finally:
+        service.close("success").result()
+
+
 def test_tinker_forward_gives_the_weights_logprobs_and_forward_backward_trains_with_dropout(
         family_server: tuple[str, str, Path]) -> None:  # fmt: skip
     """A checkpoint that trains with dropout (Seed-OSS's 0.1) through the Tinker API: `forward` (eval mode) returns
@@ -238,22 +296,9 @@ def test_tinker_forward_gives_the_weights_logprobs_and_forward_backward_trains_w
     if family != "seed-oss":  # (StarCoder2's dropout runs the same code: test_family_parity counts both)
         pytest.skip(f"{family}: checked on seed-oss, one of the checkpoints that set dropout")
     import numpy as np
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tinker = pytest.importorskip("tinker")
-    from tinker import types
-
-    seq = AutoTokenizer.from_pretrained(base)(PROMPTS[0] + " Paris").input_ids
-    with torch.no_grad():
-        logits = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()(torch.tensor([seq[:-1]])).logits
-    expected = torch.log_softmax(logits[0].double(), -1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0].numpy()
-    inputs = {"target_tokens": np.array(seq[1:]), "weights": np.ones(len(seq) - 1, np.float32)}
-    datum = types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]),
-                        loss_fn_inputs={k: types.TensorData.from_numpy(v) for k, v in inputs.items()})  # fmt: skip
-    service = tinker.ServiceClient(base_url=url, api_key="tml-unused")
-    try:
-        name = service.get_server_capabilities().supported_models[0].model_name
+    datum, expected = _tinker_datum(base)
+    with _tinker_service(url) as (service, name):
         client = service.create_lora_training_client(base_model=name, rank=8).result()
         first, again = (client.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
                         for _ in range(2))  # fmt: skip
@@ -261,5 +306,28 @@ def test_tinker_forward_gives_the_weights_logprobs_and_forward_backward_trains_w
         np.testing.assert_allclose(first, expected, atol=2e-5)
         trained = client.forward_backward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
         assert np.abs(trained - expected).max() > 1e-3
-    finally:
-        service.close("success").result()
+
+
+def test_a_tinker_lora_client_on_a_mixture_of_experts_model_trains_its_attention(
+        family_server: tuple[str, str, Path]) -> None:  # fmt: skip
+    """Tinker's default LoRA client asks for the MLP too (`train_mlp`): on a MoE model that is refused saying what to
+    set; with `train_mlp=False` the client's `forward` gives the base's logprobs (B starts at zero) = transformers', and
+    a step on the attention adapter moves them."""
+    family, url, base = family_server
+    if family != "qwen3-moe":
+        pytest.skip(f"{family}: checked on qwen3-moe (the MoE adapter rule is one for every MoE family)")
+    import numpy as np
+
+    datum, expected = _tinker_datum(base)  # (skips without the tinker SDK)
+    from tinker import types
+
+    with _tinker_service(url) as (service, name):
+        with pytest.raises(Exception, match=r"mixture-of-experts model's MLPs .* train_mlp=False"):
+            service.create_lora_training_client(base_model=name, rank=8).result()
+        client = service.create_lora_training_client(base_model=name, rank=8, train_mlp=False).result()
+        before = client.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        np.testing.assert_allclose(before, expected, atol=2e-5)
+        client.forward_backward([datum], "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        after = client.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        assert after.sum() > before.sum() + 1e-3, (before, after)  # the trained tokens got likelier

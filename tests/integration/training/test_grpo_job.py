@@ -37,13 +37,19 @@ def _margin(model, tokenizer, prompt: str) -> float:
     return logp(GOOD) - logp(BAD)
 
 
-def test_grpo_lora_job_prefers_rewarded_completions(tmp_path: Path, tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("model", ["llama", "qwen3-moe"])
+def test_grpo_lora_job_prefers_rewarded_completions(tmp_path: Path, tiny_model_dir: Path, model: str,
+                                                    family_models: dict[str, Path]) -> None:  # fmt: skip
+    """On a mixture-of-experts model the adapter is on the attention (its default targets), two steps per batch with
+    routing replay."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    tiny_model_dir = tiny_model_dir if model == "llama" else family_models[model]
+    moe = {"routing_replay": True, "num_iterations": 2} if model != "llama" else {}
     job = make_job(
         tmp_path, "grpo-job", tiny_model_dir, _rows(), max_steps=12, learning_rate=1e-2, batch_size=3, loss="grpo",
-        kl_coef=0.01, adapter_type="lora", lr_schedule="constant", steps_per_checkpoint=12,
+        kl_coef=0.01, adapter_type="lora", lr_schedule="constant", steps_per_checkpoint=12, **moe,
     )  # fmt: skip
     assert run_trainer(job) == 0, trainer_output(job)
     assert job.read_status().status == "COMPLETED"
