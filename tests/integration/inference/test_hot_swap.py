@@ -295,3 +295,83 @@ async def test_an_engine_without_lora_slots_serves_each_adapter_version_merged_i
     assert still.status_code == 200 and [still.body["choices"][0]["token_ids"]] == expected[1][:1]
     assert [b["choices"][0]["token_ids"] for b in base] == expected_base
     assert list(merged.iterdir()) == []  # the base is the base's own files
+
+
+async def test_an_adapter_is_merged_while_the_engine_serves_what_it_holds(
+    vllm_engine: Any, inference_settings: Any, tiny_model_dir: Path, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Without LoRA slots an adapter is merged before its swap takes its turn: a request for the weights the engine
+    holds is answered while the merge runs, and two requests for one adapter version share one merge. (The merge is
+    the real one, held at its start until the base request has been answered.)"""
+    import threading
+
+    from scalarlm.inference import hot_swap
+    from scalarlm.inference.openai_backend import VllmOpenAIBackend
+    from scalarlm.inference.versions import ModelVersions
+    from scalarlm.protocol.generate import ModelVersion
+
+    started, go_on, merges, merge_lora = threading.Event(), threading.Event(), [], hot_swap.merge_lora
+
+    def held_merge(base: Path, adapter: Path, dest: Path) -> None:
+        merges.append(adapter)
+        started.set()
+        go_on.wait(300)
+        merge_lora(base, adapter, dest)
+
+    monkeypatch.setattr(hot_swap, "merge_lora", held_merge)
+    adapter = write_lora_checkpoint(tiny_model_dir, tmp_path / "job-g" / "step-1", seed=34, step=1)
+    expected = transformers_greedy(tiny_model_dir, PROMPTS[:1], TOKENS, lora=adapter)
+    expected_base = transformers_greedy(tiny_model_dir, PROMPTS[:1], TOKENS)
+    backend = VllmOpenAIBackend(inference_settings)
+    await backend.attach(vllm_engine, ModelVersions(inference_settings.base_model_name))
+    backend.weights.lora_slots = 0
+    entry = ModelVersion(name="job-g", version=1, kind="lora", path=str(adapter))
+    try:
+        adapted = [asyncio.ensure_future(_openai_completion(backend, entry, PROMPTS[0])) for _ in range(2)]
+        assert await asyncio.to_thread(started.wait, 300)
+        base = await asyncio.wait_for(_completion(backend, "tiny", PROMPTS[0]), 300)  # (before: waited on the merge)
+        pending = not any(request.done() for request in adapted)
+        go_on.set()
+        replies = [await request for request in adapted]
+    finally:
+        go_on.set()
+        await _restore_base(backend.weights, inference_settings)
+
+    assert expected != expected_base
+    assert base["choices"][0]["token_ids"] == expected_base[0] and pending
+    assert len(merges) == 1  # one merge for both requests
+    for reply in replies:
+        assert reply.status_code == 200, reply.body
+        assert [reply.body["choices"][0]["token_ids"]] == expected  # = PEFT on the adapter
+
+
+async def test_a_request_that_waited_for_a_swap_gets_the_newest_version_stamped_as_loaded(
+    vllm_engine: Any, inference_settings: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A request for a fine-tune waits for the engine's in-flight requests to drain; a version published meanwhile is
+    what the swap loads, and the reply is stamped with it (a reply's version is the weights that produced it)."""
+    from scalarlm.inference.openai_backend import VllmOpenAIBackend
+    from scalarlm.inference.versions import ModelVersions
+    from scalarlm.protocol.generate import ModelVersion
+
+    first = write_full_checkpoint(tiny_model_dir, tmp_path / "job-r" / "step-1", seed=41, step=1)
+    second = write_full_checkpoint(tiny_model_dir, tmp_path / "job-r" / "step-2", seed=42, step=2)
+    expected = [transformers_greedy(tiny_model_dir, PROMPTS[:1], TOKENS, full=path)[0] for path in (first, second)]
+    backend = VllmOpenAIBackend(inference_settings)
+    await backend.attach(vllm_engine, ModelVersions(inference_settings.base_model_name))
+    weights = backend.weights
+    weights.update_catalog([ModelVersion(name="job-r", version=1, kind="full", path=str(first))])
+    in_flight = await weights.acquire(inference_settings.base_model_name)  # a request on the base, not yet done
+    try:
+        waiting = asyncio.ensure_future(_completion(backend, "job-r", PROMPTS[0]))
+        while not weights._swap_lock.locked():  # it waits for the drain
+            await asyncio.sleep(0.01)
+        weights.update_catalog([ModelVersion(name="job-r", version=2, kind="full", path=str(second))])
+        weights.release(in_flight)
+        reply = await waiting
+    finally:
+        weights.release(in_flight)
+        await _restore_base(weights, inference_settings)
+
+    assert expected[0] != expected[1]
+    assert reply["choices"][0]["token_ids"] == expected[1] and reply["scalarlm_version"] == 2
