@@ -160,11 +160,12 @@ class WeightsManager:
         if self._full == target and not self._swap_lock.locked():
             self._add_full_user()
             return
-        merged = self._merged_dir(*target) if self._catalog[target[0]].kind == "lora" else None
+        entry = self._catalog[target[0]]
+        merged = self._merged_dir(*target) if entry.kind == "lora" and entry.path else None  # (no path: refused below)
         if merged is not None:
             self._wanted[merged] += 1
         try:
-            if merged is not None and not merged.exists():
+            if merged is not None:
                 await self._merge(*target)
             async with self._swap_lock:
                 if self._full != target:
@@ -189,15 +190,16 @@ class WeightsManager:
         """Load the newest weights of `target`'s model into the (drained) engine and drop prefix-cache entries of the
         old ones. The newest now: a catalog that moved on while the request waited names another version's path, and
         the version the engine holds (what leases are stamped with) is always the one whose files it loaded."""
-        name, version = target[0], self._catalog[target[0]].version
-        path = self.settings.model if name == self.base else self._catalog[name].path
+        entry = self._catalog[target[0]]
+        name, version = entry.name, entry.version
+        path = self.settings.model if name == self.base else entry.path
         if path is None:
             raise InvalidRequest(f"model '{name}' has no published weights path")
         refusal = _unswappable(Path(path), Path(self.settings.model))
         if refusal is not None:
             raise ModelLoadFailed(f"model '{name}' version {version} at {path}: {refusal}", param="model")
         started = time.perf_counter()
-        if self._catalog[name].kind == "lora":  # an adapter on an engine without LoRA slots (merged ahead)
+        if entry.kind == "lora":  # an adapter on an engine without LoRA slots (merged ahead)
             path = str(await self._merge(name, version))
         try:
             await self._reload(Path(path))
@@ -233,15 +235,16 @@ class WeightsManager:
         dest = self._merged_dir(name, version)
         if dest.exists():
             return dest
+        adapter = str(self._catalog[name].path)  # (the callers check there is one)
         task = self._merging.get(dest)
         if task is None:
-            task = self._merging[dest] = asyncio.ensure_future(self._write_merged(Path(self._catalog[name].path), dest))
+            task = self._merging[dest] = asyncio.ensure_future(self._write_merged(Path(adapter), dest))
             task.add_done_callback(lambda done: self._merge_done(dest, done))
         try:
             await asyncio.shield(task)  # (a cancelled request leaves the merge to the others)
         except Exception as exc:
-            raise ModelLoadFailed(f"model '{name}' version {version}: its adapter at {self._catalog[name].path} could "
-                                  f"not be merged into the base: {_reason(exc)}", param="model") from exc  # fmt: skip
+            raise ModelLoadFailed(f"model '{name}' version {version}: its adapter at {adapter} could not be merged "
+                                  f"into the base: {_reason(exc)}", param="model") from exc  # fmt: skip
         return dest
 
     def _merge_done(self, dest: Path, task: asyncio.Task[None]) -> None:
