@@ -129,6 +129,12 @@ class ModelCatalog:
         """Every servable model with its newest weights version (workers learn of swaps from this)."""
         return [self.entry(self.base)] + [_servable(m) for m in self.trained()]
 
+    def forget(self, job_id: str) -> None:
+        """A job was deleted: its name resolves to nothing from now on (the poll would drop it within a tick)."""
+        with self._lock:
+            self._trained.pop(job_id, None)
+            self._seen.pop(job_id, None)
+
     # ---- learning of new steps --------------------------------------------------------------------
 
     def published(self, job_id: str, step: int) -> int:

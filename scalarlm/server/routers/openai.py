@@ -56,13 +56,16 @@ async def list_models(request: Request) -> Response:
 
 
 def with_trained_models(body: dict[str, Any], catalog: ModelCatalog) -> dict[str, Any]:
-    """Stamp the base entry with version 0 and add (or update) one entry per trained model."""
-    data = [dict(entry) for entry in body.get("data", []) if isinstance(entry, dict)]
+    """Stamp the base entry with version 0 and add (or update) one entry per trained model. The catalog names what
+    is served: an entry the engine still holds for a deleted job (a model it loaded before) is left out."""
+    trained = catalog.trained()
+    served = {catalog.base} | {model.name for model in trained}
+    data = [dict(entry) for entry in body.get("data", []) if isinstance(entry, dict) and entry.get("id") in served]
     by_id = {entry.get("id"): entry for entry in data}
     base = by_id.get(catalog.base, {})
     if base:
         base.update(scalarlm_version=0, scalarlm_kind="base")
-    for model in catalog.trained():
+    for model in trained:
         entry = by_id.get(model.name)
         if entry is None:
             entry = {

@@ -23,7 +23,7 @@ from scalarlm.protocol.training import (
     UploadInitRequest,
     UploadInitResponse,
 )
-from scalarlm.server.deps import SettingsDep
+from scalarlm.server.deps import SettingsDep, StateDep
 from scalarlm.server.jobs import TrainingJobs, args_before_rows, train_params
 from scalarlm.server.limits import check_job_limit, count_job
 from scalarlm.server.training_uploads import UploadSessions
@@ -177,9 +177,11 @@ def resume(job_id: str, jobs: JobsDep, request: Request) -> dict[str, Any]:
 
 
 @router.post("/delete/{job_id}", response_model=DeleteJobResponse)
-def delete(job_id: str, jobs: JobsDep) -> DeleteJobResponse:
-    """Cancel the job if it runs and remove its directory."""
-    return jobs.delete(job_id)
+def delete(job_id: str, jobs: JobsDep, state: StateDep) -> DeleteJobResponse:
+    """Cancel the job if it runs and remove its directory; its model is gone from every route at once."""
+    deleted = jobs.delete(job_id)
+    state.catalog.forget(job_id)
+    return deleted
 
 
 @router.get("/gpu_count", response_model=GpuCountResponse)

@@ -15,11 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 from openai import OpenAI
 
 import scalarlm
 from scalarlm.checkpoint.staging import SUPERSEDABLE_FILE
+from scalarlm.protocol.errors import NotFound
 
 pytestmark = pytest.mark.slow
 
@@ -237,3 +239,22 @@ def test_full_weights_are_served_from_the_staged_copy_and_the_same_files_land_du
         reference = Reference(tiny_model_dir, durable).first_logprob(prompt)
         assert served[version] == pytest.approx(reference, abs=1e-4), version
     assert served[first] != pytest.approx(served[second], abs=1e-3)
+
+
+def test_a_deleted_job_leaves_every_route_at_once(llm: scalarlm.ScalarLM, oai: OpenAI, tiny_model_dir: Path) -> None:
+    """Once the delete answers, the job is not listed (though the engine still holds the adapter it loaded, which
+    vLLM's own list names) and its name is a 404 on the OpenAI and batch routes, without waiting for the catalog's
+    poll; the base still answers."""
+    job = llm.train(FACTS["lora"], train_args={**TRAIN, "max_steps": 1, "steps_per_checkpoint": 1,
+                                               "adapter_type": "lora"})  # fmt: skip
+    job.wait(timeout=900)
+    assert oai.completions.create(model=job.id, prompt=PROMPTS[0], **GREEDY).model == job.id  # the engine loads it
+    assert job.id in {m.id for m in oai.models.list().data}
+
+    assert llm.delete(job)["deleted"] is True
+    assert job.id not in {m.id for m in oai.models.list().data}
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        oai.completions.create(model=job.id, prompt=PROMPTS[0], **GREEDY)
+    with pytest.raises(NotFound, match="does not exist"):
+        llm.generate([PROMPTS[0]], model_name=job.id, max_tokens=2)
+    assert oai.completions.create(model=tiny_model_dir.name, prompt=PROMPTS[0], **GREEDY).model == tiny_model_dir.name
