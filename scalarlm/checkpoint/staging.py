@@ -16,7 +16,8 @@ those of the steps published during one landing (the left-out ones are pruned on
 A staged supersedable step carries a `supersedable` marker file (never landed), so the reconcile after a dead trainer
 (`land_orphaned`) leaves out the same steps the trainer would have.
 A kill during the landing leaves the previous durable step and a `step-N.tmp/` the next publish replaces, never a
-torn `step-N/`. The control plane removes staged copies once their durable copy has landed (`prune_staged`).
+torn `step-N/`. The control plane removes staged copies once their durable copy has landed (`prune_staged`), and
+those of a deleted job (`remove_deleted_staging`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,6 +165,20 @@ def prune_staged(job: JobDir, root: Path, now: float | None = None) -> list[int]
             shutil.rmtree(folder / f"step-{step}", ignore_errors=True)
             removed.append(step)
     return removed  # the folder and the pointer stay: the trainer may be staging its next step right now
+
+
+def remove_deleted_staging(root: Path, jobs: Collection[str]) -> list[str]:
+    """Remove the staged copies under `root` of every job not in `jobs` (the job directories a listing just found: a
+    job deleted while a copy was staged): nothing serves or lands them any more, and on a memory filesystem each
+    would hold its checkpoint's size in memory until the host restarts. Return the job ids removed."""
+    if not root.is_dir():
+        return []
+    removed = []
+    for folder in sorted(root.iterdir()):
+        if folder.is_dir() and folder.name not in jobs:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder.name)
+    return removed
 
 
 def remove_empty_staging(root: Path) -> None:

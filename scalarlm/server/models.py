@@ -21,6 +21,7 @@ from scalarlm.checkpoint import JobDir
 from scalarlm.checkpoint.staging import (
     STAGED_FILE,
     prune_staged,
+    remove_deleted_staging,
     remove_empty_staging,
     servable_step,
     staging_root,
@@ -189,12 +190,17 @@ class ModelCatalog:
         )  # fmt: skip
 
     def refresh(self) -> None:
-        """Poll every job directory (stats `checkpoints/latest`; reads only the changed ones); drop deleted jobs."""
-        roots = [p.name for p in self.jobs_dir.iterdir() if p.is_dir()] if self.jobs_dir.exists() else []
+        """Poll every job directory (stats `checkpoints/latest`; reads only the changed ones); drop deleted jobs and
+        their staged copies."""
+        listed = self.jobs_dir.is_dir()
+        entries = list(self.jobs_dir.iterdir()) if listed else []
+        roots = [p.name for p in entries if p.is_dir()]
         for job_id in roots:
             self.refresh_job(job_id)
             if self.staging is not None:
                 prune_staged(JobDir(self.jobs_dir / job_id), self.staging)
+        if self.staging is not None and listed:  # (a jobs directory that did not list deletes nothing)
+            remove_deleted_staging(self.staging, {p.name for p in entries})
         present = set(roots)
         with self._lock:
             for gone in [name for name in self._trained if name not in present]:
@@ -203,14 +209,17 @@ class ModelCatalog:
 
     @asynccontextmanager
     async def staging_cleared(self) -> AsyncIterator[None]:
-        """On exit (after the engine and the trainers stopped), remove every staged copy whose durable copy landed."""
+        """On exit (after the engine and the trainers stopped), remove every staged copy whose durable copy landed,
+        and those of deleted jobs."""
         try:
             yield
         finally:
             if self.staging is not None and self.jobs_dir.exists():
-                for root in self.jobs_dir.iterdir():
+                entries = list(self.jobs_dir.iterdir())
+                for root in entries:
                     if root.is_dir():
                         prune_staged(JobDir(root), self.staging, now=float("inf"))
+                remove_deleted_staging(self.staging, {p.name for p in entries})
                 remove_empty_staging(self.staging)
 
     def polling(self) -> AbstractAsyncContextManager[None]:

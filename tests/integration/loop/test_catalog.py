@@ -8,12 +8,15 @@ A step published with `checkpoint.publish_step` reaches the catalog by the train
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+from scalarlm.checkpoint.staging import stage_step, staging_root
 from scalarlm.protocol.backend import OpenAIReply, WorkSource
 from scalarlm.protocol.generate import EngineLoad
+from scalarlm.protocol.training import CheckpointManifest
 
 from loop_helpers import hand_published_job, publish
 
@@ -81,6 +84,31 @@ async def wait_for_version(client: Any, name: str, version: int, timeout: float 
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"{name} never reached version {version}: {await work_models(client)}")
+
+
+async def test_a_deleted_jobs_staged_copy_is_removed_and_a_live_jobs_kept(control_plane, tiny_model_dir: Path,
+                                                                          tmp_path: Path) -> None:  # fmt: skip
+    """A job deleted while a full-weight step is staged in memory: the poll removes that copy (nothing serves or lands
+    it any more; it would hold its size in memory until the host restarts); a live job's copy stays, as after the
+    shutdown (it has not landed)."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    async with control_plane(training={"poll_seconds": 0.1, "staging_dir": str(shm)}) as (client, settings):
+        root = staging_root(str(shm), settings.home)
+        assert root is not None
+        copies = {}
+        for name in ("job-live", "job-deleted"):
+            job = hand_published_job(settings, name, [1], tiny_model_dir)
+            manifest = CheckpointManifest(job_id=name, step=2, base_model=str(tiny_model_dir), kind="full")
+            copies[name] = stage_step(job, root, manifest, lambda d: (d / "model.safetensors").write_bytes(b"w"))
+            await wait_for_version(client, name, 2)  # served from the staged copy
+        shutil.rmtree(settings.jobs_dir / "job-deleted")
+        deadline = time.monotonic() + 10
+        while (root / "job-deleted").exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not (root / "job-deleted").exists()
+        assert (copies["job-live"] / "model.safetensors").read_bytes() == b"w"
+    assert (copies["job-live"] / "model.safetensors").exists()
 
 
 class ModelsOnlyWorker:

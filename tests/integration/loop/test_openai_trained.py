@@ -241,15 +241,18 @@ def test_full_weights_are_served_from_the_staged_copy_and_the_same_files_land_du
     assert served[first] != pytest.approx(served[second], abs=1e-3)
 
 
-def test_a_deleted_job_leaves_every_route_at_once(llm: scalarlm.ScalarLM, oai: OpenAI, tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_a_deleted_job_leaves_every_route_at_once(llm: scalarlm.ScalarLM, oai: OpenAI, tiny_model_dir: Path,
+                                                  loop_server_home: tuple[str, Path], kind: str) -> None:  # fmt: skip
     """Once the delete answers, the job is not listed (though the engine still holds the adapter it loaded, which
     vLLM's own list names) and its name is a 404 on the OpenAI and batch routes, without waiting for the catalog's
-    poll; the base still answers."""
-    job = llm.train(FACTS["lora"], train_args={**TRAIN, "max_steps": 1, "steps_per_checkpoint": 1,
-                                               "adapter_type": "lora"})  # fmt: skip
+    poll; the base still answers. A full-weight job's copy staged in memory is removed too."""
+    job = llm.train(FACTS[kind], train_args={**TRAIN, "max_steps": 1, "steps_per_checkpoint": 1, "adapter_type": kind})
     job.wait(timeout=900)
     assert oai.completions.create(model=job.id, prompt=PROMPTS[0], **GREEDY).model == job.id  # the engine loads it
     assert job.id in {m.id for m in oai.models.list().data}
+    staged = loop_server_home[1] / "jobs" / job.id / "checkpoints" / "staged"
+    folder = Path(staged.read_text().split()[1]).parent if kind == "full" else None  # the job's staging folder
 
     assert llm.delete(job)["deleted"] is True
     assert job.id not in {m.id for m in oai.models.list().data}
@@ -258,3 +261,8 @@ def test_a_deleted_job_leaves_every_route_at_once(llm: scalarlm.ScalarLM, oai: O
     with pytest.raises(NotFound, match="does not exist"):
         llm.generate([PROMPTS[0]], model_name=job.id, max_tokens=2)
     assert oai.completions.create(model=tiny_model_dir.name, prompt=PROMPTS[0], **GREEDY).model == tiny_model_dir.name
+    if folder is not None:
+        deadline = time.monotonic() + 30
+        while folder.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not folder.exists()

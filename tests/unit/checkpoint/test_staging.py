@@ -23,6 +23,7 @@ from scalarlm.checkpoint.staging import (
     land_orphaned,
     land_staged,
     prune_staged,
+    remove_deleted_staging,
     remove_empty_staging,
     servable_step,
     stage_step,
@@ -83,6 +84,17 @@ def test_a_staged_copy_is_pruned_once_landed_and_superseded_or_after_the_grace(j
     assert servable_step(job) == (2, job.step_dir(2))  # the pointer names a removed copy: the durable one serves
     remove_empty_staging(root)
     assert not root.exists()
+
+
+def test_the_staged_copies_of_deleted_jobs_are_removed(tmp_path: Path) -> None:
+    root = tmp_path / "shm"
+    assert remove_deleted_staging(root, set()) == []  # no staging root yet
+    jobs = {name: JobDir.under(tmp_path / "jobs", name) for name in ("kept", "gone", "landing")}
+    copies = {name: stage_step(job, root, manifest(1), weights(name.encode())) for name, job in jobs.items()}
+    (root / "landing" / "step-2.tmp").mkdir()  # a trainer writing its next step
+    assert remove_deleted_staging(root, {"kept", "landing", "a-file"}) == ["gone"]
+    assert not (root / "gone").exists()
+    assert copies["kept"].exists() and copies["landing"].exists() and (root / "landing" / "step-2.tmp").exists()
 
 
 def test_a_step_does_not_wait_for_the_previous_landing(job: JobDir, tmp_path: Path, held: Any) -> None:
