@@ -102,6 +102,9 @@ class UploadSettings(BaseModel):
     max_request_bytes: int = Field(512 * 1024 * 1024, ge=1024)
     max_upload_bytes: int = Field(10 * 1024**3, ge=1024)
     max_chunk_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    # A chunked upload no chunk reached for this long is removed with its chunks (its client gave up; init with the
+    # same archive then starts it over). Until then, init with the same archive resumes it.
+    abandoned_upload_seconds: float = Field(86400.0, gt=0)
 
 
 class TrainingSettings(BaseModel):

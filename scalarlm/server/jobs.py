@@ -22,6 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from scalarlm.server.periodic import every
+from scalarlm.server.training_uploads import UploadSessions
 from scalarlm.checkpoint import JobDir, latest_step, list_steps, read_manifest
 from scalarlm.checkpoint.hub_cache import has_chat_template, resolve_model
 from scalarlm.config import Settings, TrainingSettings, gpu_memory_split, host_cores, trainer_cpu_threads
@@ -55,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 # ScalarLM's name for the newest submitted job in reads (see `TrainingJobs.resolve`).
 LATEST = "latest"
+UPLOAD_SWEEP_SECONDS = 60.0  # how often abandoned chunked uploads are looked for (also once at start)
 
 
 def new_job_id() -> str:
@@ -422,10 +424,18 @@ class TrainingJobs:
     async def supervising(self) -> AsyncIterator[None]:
         """Reconcile while the app runs; at shutdown stop the trainers that would die with this control plane
         (`training.on_shutdown`), so they save their state and resume on restart."""
-        async with self.reconciling():
+        sweep = min(UPLOAD_SWEEP_SECONDS, self.settings.upload.abandoned_upload_seconds / 2)
+        async with self.reconciling(), every(sweep, self.remove_abandoned_uploads, "upload sweep"):
             yield
         if self.settings.training.on_shutdown == "checkpoint":
             await asyncio.to_thread(self.stop_for_shutdown)
+
+    def remove_abandoned_uploads(self) -> list[str]:
+        """Remove the chunked uploads no chunk reached for `upload.abandoned_upload_seconds` (logged)."""
+        removed = UploadSessions(self.uploads_dir, self.settings.upload).remove_abandoned()
+        if removed:
+            logger.info("removed %d abandoned chunked uploads: %s", len(removed), ", ".join(removed))
+        return removed
 
     def stop_for_shutdown(self) -> list[str]:
         """Ask each launcher to stop its jobs that would not survive this process; return the stopped ids."""

@@ -1,7 +1,8 @@
 """Chunked training uploads (`/v1/megatron/upload/init|chunk|finalize`), as the ScalarLM SDK sends large archives.
 
 A session lives in `$SCALARLM_HOME/uploads/<upload_id>/`: `session.json` plus one file per received
-chunk. Re-sending init with the same archive hash resumes it (the SDK skips chunks already received).
+chunk. Re-sending init with the same archive hash resumes it (the SDK skips chunks already received). A session no
+chunk reached for `upload.abandoned_upload_seconds` is removed (`remove_abandoned`, swept by the app).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import hashlib
 import math
 import os
 import shutil
+import time
 from pathlib import Path
 
 from scalarlm.checkpoint.jobdir import atomic_write_text
@@ -104,3 +106,17 @@ class UploadSessions:
 
     def discard(self, upload_id: str) -> None:
         shutil.rmtree(self._dir(upload_id), ignore_errors=True)
+
+    def remove_abandoned(self, now: float | None = None) -> list[str]:
+        """Remove the sessions whose last chunk (or init) is `abandoned_upload_seconds` old; their upload ids."""
+        now = time.time() if now is None else now
+        removed = []
+        for folder in sorted(self.root.glob("chunked-*")) if self.root.is_dir() else []:
+            try:
+                last = max(p.stat().st_mtime for p in (folder, *folder.iterdir()))
+            except OSError:  # finalized or removed meanwhile
+                continue
+            if now - last >= self.limits.abandoned_upload_seconds:
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder.name.removeprefix("chunked-"))
+        return removed

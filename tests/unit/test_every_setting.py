@@ -365,6 +365,10 @@ EVIDENCE: dict[str, list[str]] = {
         "tests/integration/training_api/test_chunked_upload.py::test_upload_limits_are_413",
     ],
     "Settings.upload.max_chunk_bytes": ["tests/integration/training_api/test_chunked_upload.py::test_upload_limits_are_413"],
+    "Settings.upload.abandoned_upload_seconds": [
+        "tests/integration/training_api/test_chunked_upload.py::"
+        "test_an_upload_no_chunk_reaches_for_abandoned_upload_seconds_is_removed",
+    ],
     # ---- training ----
     "Settings.training.launcher": [
         "tests/unit/inference/test_engine_args.py::test_shared_gpus_get_the_stated_split",  # local: vLLM gets 0.40

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
+import time
+
+from fastapi.testclient import TestClient
+
+from scalarlm.server.app import create_app
 
 from sdk_payloads import sdk_archive  # helper module next to this file
 
@@ -86,3 +92,29 @@ def test_unknown_upload_is_404(client):
     assert client.post("/v1/megatron/upload/finalize", json={"upload_id": "f" * 32}).status_code == 404
     assert send_chunk(client, "nope", 0, b"x").status_code == 404
     assert json.loads(send_chunk(client, "nope", 0, b"x").text)["error"]["type"] == "not_found_error"
+
+
+def test_an_upload_no_chunk_reaches_for_abandoned_upload_seconds_is_removed(settings, tmp_path):
+    """The app's sweep (at start, then every half of the setting here) removes an upload whose client went away with
+    its chunks; one whose client keeps sending stays and resumes; the same archive sent again starts over."""
+    upload = settings.upload.model_copy(update={"abandoned_upload_seconds": 1.0})
+    settings = settings.model_copy(update={"upload": upload})
+    archive, other = sdk_archive(big_rows()), sdk_archive(big_rows(30))
+    left = settings.home / "uploads" / ("chunked-" + "a" * 32)  # left by a client before a restart
+    left.mkdir(parents=True)
+    (left / "chunk-0").write_bytes(b"x")
+    for path in (left / "chunk-0", left):
+        os.utime(path, (time.time() - 60, time.time() - 60))
+    with TestClient(create_app(settings)) as client:
+        assert not left.exists()  # swept as the app starts
+        stale = init(client, archive, {}).json()["upload_id"]
+        assert send_chunk(client, stale, 0, archive[:CHUNK]).status_code == 200
+        live = init(client, other, {}).json()["upload_id"]
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:  # this client keeps going (chunk 0 again: the same bytes)
+            assert send_chunk(client, live, 0, other[:CHUNK]).status_code == 200
+            time.sleep(0.2)
+        gone = send_chunk(client, stale, 1, archive[CHUNK : 2 * CHUNK])
+        assert gone.status_code == 404 and "does not exist" in gone.json()["error"]["message"]
+        assert init(client, archive, {}).json() == {"upload_id": stale, "received_chunks": []}
+        assert init(client, other, {}).json() == {"upload_id": live, "received_chunks": [0]}
