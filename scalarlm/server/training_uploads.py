@@ -107,9 +107,9 @@ class UploadSessions:
     def discard(self, upload_id: str) -> None:
         shutil.rmtree(self._dir(upload_id), ignore_errors=True)
 
-    def remove_abandoned(self, now: float | None = None) -> list[str]:
+    def remove_abandoned(self) -> list[str]:
         """Remove the sessions whose last chunk (or init) is `abandoned_upload_seconds` old; their upload ids."""
-        now = time.time() if now is None else now
+        now = time.time()
         removed = []
         for folder in sorted(self.root.glob("chunked-*")) if self.root.is_dir() else []:
             try:
