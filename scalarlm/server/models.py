@@ -192,15 +192,12 @@ class ModelCatalog:
     def refresh(self) -> None:
         """Poll every job directory (stats `checkpoints/latest`; reads only the changed ones); drop deleted jobs and
         their staged copies."""
-        listed = self.jobs_dir.is_dir()
-        entries = list(self.jobs_dir.iterdir()) if listed else []
-        roots = [p.name for p in entries if p.is_dir()]
+        entries = list(self.jobs_dir.iterdir()) if self.jobs_dir.is_dir() else None
+        roots = [p.name for p in entries or [] if p.is_dir()]
         for job_id in roots:
             self.refresh_job(job_id)
-            if self.staging is not None:
-                prune_staged(JobDir(self.jobs_dir / job_id), self.staging)
-        if self.staging is not None and listed:  # (a jobs directory that did not list deletes nothing)
-            remove_deleted_staging(self.staging, {p.name for p in entries})
+        if entries is not None:  # (a jobs directory that did not list removes no staged copy)
+            self._prune_staging(entries)
         present = set(roots)
         with self._lock:
             for gone in [name for name in self._trained if name not in present]:
@@ -215,12 +212,18 @@ class ModelCatalog:
             yield
         finally:
             if self.staging is not None and self.jobs_dir.exists():
-                entries = list(self.jobs_dir.iterdir())
-                for root in entries:
-                    if root.is_dir():
-                        prune_staged(JobDir(root), self.staging, now=float("inf"))
-                remove_deleted_staging(self.staging, {p.name for p in entries})
+                self._prune_staging(list(self.jobs_dir.iterdir()), now=float("inf"))
                 remove_empty_staging(self.staging)
+
+    def _prune_staging(self, entries: list[Path], now: float | None = None) -> None:
+        """Remove the staged copies the jobs in `entries` (a listing of the jobs directory) no longer need
+        (`prune_staged`, at time `now`) and those of jobs not in it (deleted)."""
+        if self.staging is None:
+            return
+        for root in entries:
+            if root.is_dir():
+                prune_staged(JobDir(root), self.staging, now=now)
+        remove_deleted_staging(self.staging, {p.name for p in entries})
 
     def polling(self) -> AbstractAsyncContextManager[None]:
         """Refresh now and then every `training.poll_seconds` (the fallback when a notice is lost)."""
