@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from scalarlm.protocol.training import MAX_STEPS
+
 if TYPE_CHECKING:
     from scalarlm.client import ScalarLM
 
@@ -50,6 +52,13 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+def progress(step: int | None, max_steps: int | None) -> str:
+    """`step/max_steps`, or the step alone for an open-ended RL session (its max_steps is the MAX_STEPS ceiling)."""
+    if max_steps is None or max_steps >= MAX_STEPS:
+        return str(step or 0)
+    return f"{step or 0}/{max_steps}"
+
+
 def when(ts: float | None) -> str:
     return "-" if not ts else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
 
@@ -67,7 +76,7 @@ def run_ls(llm: ScalarLM, args: argparse.Namespace) -> None:
     shown = models if args.all else jobs[:LS_DEFAULT_ROWS]  # newest first
     _emit(args, shown, lambda rows: table(
         ["model", "status", "step", "loss", "version", "kind", "started"],
-        [[m["name"], m.get("status"), f"{m.get('step') or 0}/{m.get('max_steps') or 0}", m.get("loss"),
+        [[m["name"], m.get("status"), progress(m.get("step"), m.get("max_steps")), m.get("loss"),
           m.get("version"), m.get("kind"), when(m.get("start_time"))] for m in rows],
     ))  # fmt: skip
 
@@ -141,7 +150,7 @@ def run_squeue(llm: ScalarLM, args: argparse.Namespace) -> None:
     _emit(args, llm.squeue()["jobs"], lambda rows: table(
         ["job", "status", "launcher", "launcher_id", "processes", "step", "started"],
         [[j["job_id"], j["status"], j.get("launcher"), j.get("launcher_id"), j["state"],
-          f"{j['step']}/{j['max_steps']}", when(j.get("start_time"))] for j in rows],
+          progress(j["step"], j["max_steps"]), when(j.get("start_time"))] for j in rows],
     ))  # fmt: skip
 
 

@@ -56,6 +56,15 @@ function fmt(x, digits = 4) {
   return String(x);
 }
 
+// An RL session that names no max_steps is open-ended: its max_steps is this ceiling (MAX_STEPS in
+// scalarlm/protocol/training.py), and its progress shows as the step alone.
+const MAX_STEPS = 10000000;
+
+function progress(step, maxSteps) {
+  const done = fmt(step ?? 0);
+  return maxSteps === null || maxSteps === undefined || maxSteps >= MAX_STEPS ? done : `${done} / ${maxSteps}`;
+}
+
 function ago(ts) {
   if (!ts) return "–";
   const s = Math.max(0, Date.now() / 1000 - ts);
@@ -137,7 +146,7 @@ const views = {
     const rows = jobs.map((m) => el("tr", { "data-job": m.name },
       el("td", {}, el("a", { href: "#job/" + m.name }, m.name)),
       el("td", { class: "status " + (m.status || "").toLowerCase() }, m.status),
-      el("td", {}, `${fmt(m.step)} / ${fmt(m.max_steps)}`),
+      el("td", {}, progress(m.step, m.max_steps)),
       el("td", {}, fmt(m.loss)), el("td", {}, fmt(m.version)), el("td", {}, m.kind),
       el("td", {}, ago(m.start_time))));
     const parts = [el("h1", {}, "Training jobs"),
@@ -161,7 +170,7 @@ const views = {
       el("h1", {}, "Job ", el("span", { id: "job-id" }, id)),
       el("p", { class: "facts" },
         el("span", { id: "job-status", class: "status " + s.status.toLowerCase() }, s.status),
-        ` step ${s.step} / ${s.max_steps} · loss ${fmt(s.loss)} · ${data.rows} rows · base ${info.job_config.base_model.split("/").pop()}`,
+        ` step ${progress(s.step, s.max_steps)} · loss ${fmt(s.loss)} · ${data.rows} rows · base ${info.job_config.base_model.split("/").pop()}`,
         s.reason ? el("span", { class: "error" }, " · " + s.reason) : null,
         " · ", el("a", { id: "logs-link", href: `#logs/${id}` }, "logs"),
         " · ", el("a", { href: `/v1/megatron/train/${id}/dataset/download`, onclick: (e) => download(e, id) }, "dataset")),
@@ -222,7 +231,7 @@ const views = {
         ? table("squeue-table", ["job", "status", "launcher", "id", "processes", "step"], squeue.jobs.map((j) =>
             el("tr", {}, el("td", {}, el("a", { href: "#job/" + j.job_id }, j.job_id)), el("td", {}, j.status),
               el("td", {}, j.launcher || "–"), el("td", {}, j.launcher_id || "–"), el("td", {}, j.state),
-              el("td", {}, `${j.step} / ${j.max_steps}`))))
+              el("td", {}, progress(j.step, j.max_steps)))))
         : el("p", { class: "muted" }, "None."),
     ];
   },

@@ -13,6 +13,8 @@ import pytest
 from cdp import Browser, chromium_path
 from console_server import ROWS, Server
 
+from scalarlm.protocol.training import MAX_STEPS
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[3]
@@ -95,6 +97,11 @@ def test_console_in_chromium(server: Server, lora_job: str, browser: Browser) ->
                 f"return n > {floor} ? n : 0; }})()", timeout=180)))  # fmt: skip
         assert grown[1] > grown[0] >= 1, grown
         assert b.eval(f"document.querySelector('#jobs-table tr[data-job=\"{job.id}\"] .status').textContent") == "RUNNING"
+        step_cell = b.eval(f"document.querySelector('#jobs-table tr[data-job=\"{job.id}\"]').children[2].textContent")
+        assert re.fullmatch(r"\d+ / 100000", step_cell), step_cell
+        # an open-ended RL session (max_steps at the protocol's ceiling) shows its step alone
+        assert b.eval("MAX_STEPS") == MAX_STEPS
+        assert b.eval(f"[progress(2, {MAX_STEPS}), progress(2, 4), progress(null, null)]") == ["2", "2 / 4", "0"]
         b.screenshot(SHOTS / "1-jobs.png")
 
         b.click(f"#jobs-table tr[data-job=\"{job.id}\"] a")

@@ -9,12 +9,34 @@ from pathlib import Path
 import pytest
 
 from scalarlm.cli.main import build_parser, main
-from scalarlm.cli.ops import _train_args, smooth, table
+from scalarlm.cli.ops import _train_args, progress, run_ls, run_squeue, smooth, table
+from scalarlm.protocol.training import MAX_STEPS
 
 
 def test_table_aligns_columns_and_formats_cells() -> None:
     out = table(["model", "loss"], [["job-a", 0.123456], ["b", None]]).splitlines()
     assert out == ["MODEL  LOSS", "job-a  0.1235", "b      -"]
+
+
+def test_an_open_ended_session_shows_its_step_alone(capsys: pytest.CaptureFixture[str]) -> None:
+    assert progress(2, 4) == "2/4" and progress(None, 4) == "0/4"
+    assert progress(2, MAX_STEPS) == "2" and progress(3, None) == "3"
+
+    class Listing:  # what the server's list_models and squeue answer, for the tables alone
+        def list_models(self) -> dict:
+            return {"models": [{"name": "session-a", "status": "RUNNING", "step": 2, "max_steps": MAX_STEPS},
+                               {"name": "job-b", "status": "COMPLETED", "step": 4, "max_steps": 4}]}
+
+        def squeue(self) -> dict:
+            return {"jobs": [{"job_id": "session-a", "status": "RUNNING", "state": "1 running", "step": 2,
+                              "max_steps": MAX_STEPS}]}
+
+    args = argparse.Namespace(json=False, all=False)
+    run_ls(Listing(), args)  # type: ignore[arg-type]
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [row[:3] for row in rows] == [["session-a", "RUNNING", "2"], ["job-b", "COMPLETED", "4/4"]]
+    run_squeue(Listing(), args)  # type: ignore[arg-type]
+    assert capsys.readouterr().out.splitlines()[1].split()[-2:] == ["2", "-"]
 
 
 def test_smooth_is_a_trailing_moving_average() -> None:
