@@ -56,7 +56,9 @@ class EngineSettings(BaseModel):
     """vLLM engine settings; CPU-safe defaults measured on a 2-core box (see ARCHITECTURE.md)."""
 
     max_model_len: int = Field(512, ge=16)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    # None: float32 on CPU (served outputs equal transformers' fp32 ones), "auto" on an accelerator (the checkpoint's
+    # own dtype: the trainer's bf16 there) -- resolved where the engine starts (`inference.engine.engine_dtype`).
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
     # KV cache size in bytes. None: on an accelerator the KV cache is whatever `gpu_memory_utilization` leaves
     # after the weights and activations (vLLM's own sizing); on CPU, CPU_KV_CACHE_BYTES. Set it only to pin
     # the size: vLLM then ignores `gpu_memory_utilization` for the KV cache.

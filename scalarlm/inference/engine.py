@@ -138,6 +138,11 @@ def lora_enabled(settings: Settings, device: Device) -> bool:
     return True
 
 
+def engine_dtype(settings: Settings, device: Device) -> str:
+    """`engine.dtype`, or where it is None: float32 on CPU, vLLM's "auto" (the checkpoint's dtype) on an accelerator."""
+    return settings.engine.dtype or ("float32" if device == "cpu" else "auto")
+
+
 def serve_cli_args(settings: Settings, device: Device | None = None) -> list[str]:
     """The `vllm serve` flags equivalent to our settings on `device` (default: where vLLM will run)."""
     eng = settings.engine
@@ -145,7 +150,7 @@ def serve_cli_args(settings: Settings, device: Device | None = None) -> list[str
     argv = [
         "--model", settings.model,
         "--served-model-name", settings.base_model_name,
-        "--dtype", eng.dtype,
+        "--dtype", engine_dtype(settings, device),
         "--max-model-len", str(eng.max_model_len),
         "--max-num-seqs", str(eng.max_num_seqs),
         *memory_cli_args(settings, device),

@@ -20,7 +20,7 @@ def _clean_env(monkeypatch):
 def test_defaults_are_cpu_safe(tmp_path):
     s = load_settings()
     assert s.server.host == "127.0.0.1" and s.server.port == 8000
-    assert s.engine.max_model_len == 512 and s.engine.dtype == "float32"
+    assert s.engine.max_model_len == 512 and s.engine.dtype is None  # float32 on CPU (test_engine_settings_flags)
     assert s.home.is_absolute()
     assert s.queue_path == s.home / "queue.sqlite"
 

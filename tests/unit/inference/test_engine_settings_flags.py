@@ -15,9 +15,9 @@ from scalarlm.inference.engine import parse_serve_args  # noqa: E402
 from scalarlm.inference.vllm_api import AsyncEngineArgs  # noqa: E402
 
 
-def _engine_args(tmp_path, **sections) -> AsyncEngineArgs:
+def _engine_args(tmp_path, device: str = "cpu", **sections) -> AsyncEngineArgs:
     settings = Settings(model=str(tmp_path), home=tmp_path, **sections)
-    return AsyncEngineArgs.from_cli_args(parse_serve_args(settings, "cpu"))
+    return AsyncEngineArgs.from_cli_args(parse_serve_args(settings, device))
 
 
 def test_engine_settings_are_the_engine_args_vllm_reads(tmp_path) -> None:
@@ -35,6 +35,9 @@ def test_defaults_and_lora_off(tmp_path) -> None:
     assert args.enforce_eager is True and args.dtype == "float32" and args.max_model_len == 512
     assert not args.enable_lora and args.max_loras != 9  # no LoRA: vLLM's own default, ours not passed
     assert args.served_model_name == [tmp_path.name]  # no served_model_name: the model directory's name
+    # no dtype: float32 on CPU (above), the checkpoint's own on an accelerator, where the trainer trains in bf16
+    assert _engine_args(tmp_path, "accelerator").dtype == "auto"
+    assert _engine_args(tmp_path, "accelerator", engine={"dtype": "float16"}).dtype == "float16"
 
 
 def test_a_mixture_of_experts_model_on_cpu_gets_no_lora_slots(tmp_path) -> None:
