@@ -18,7 +18,7 @@ Every error names the line and the field: ``dataset line 3: field 'messages[0].r
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -165,6 +165,22 @@ def check_step_rows(rows: list[Any], loss: str, finish_reasons: bool = False) ->
                        "arg loss 'grpo' (the default), 'dr_grpo' or 'dapo'", "rows")  # fmt: skip
 
 
+def group_count(objs: Iterable[dict[str, Any]]) -> int:
+    """How many GRPO groups validated scored rows form (`RLRow.group_key`: their `group`, else their prompt)."""
+    return len({RLRow.model_validate(obj).group_key() for obj in objs})
+
+
+def check_groups(rows: int, groups: int, kl_coef: float, where: str, param: str) -> None:
+    """Refuse scored rows whose every group holds one completion when no KL term trains either: a GRPO advantage is
+    a reward minus its group's mean, 0 for a group of one, so the step would train nothing (TRL refuses
+    num_generations < 2)."""
+    if kl_coef == 0 and groups == rows:
+        raise _bad(where, f"every group holds one completion ({rows} rows in {groups} groups): GRPO trains a "
+                   "completion by its reward against the mean of its group, so none would train. Send two or more "
+                   "completions of each prompt (rows group by field 'group', else by their prompt or messages), or "
+                   "set train arg kl_coef > 0", param)  # fmt: skip
+
+
 def first_row_scored(path: str | Path) -> bool:
     """Whether a JSONL dataset's first row carries a `reward` (False when it cannot be read as an object: the row
     checks say why)."""
@@ -221,10 +237,12 @@ def read_rl_objects(path: str | Path) -> list[dict[str, Any]]:
 
 @dataclass(frozen=True)
 class DatasetSummary:
-    """What the control plane learns from checking a dataset: its row count, and the first chat row's line."""
+    """What the control plane learns from checking a dataset: its row count, the first chat row's line, and how
+    many groups its scored rows form (0 for SFT rows)."""
 
     rows: int
     first_chat_line: int | None = None
+    groups: int = 0
 
 
 def summarize_dataset(path: str | Path, loss: str = "sft", finish_reasons: bool = False) -> DatasetSummary:
@@ -235,7 +253,7 @@ def summarize_dataset(path: str | Path, loss: str = "sft", finish_reasons: bool 
         for line, obj in lines if finish_reasons else []:
             check_finish_reason(obj, f"dataset line {line}", "dataset")
         chat = next((line for line, obj in lines if "messages" in obj), None)
-        return DatasetSummary(len(lines), chat)
+        return DatasetSummary(len(lines), chat, group_count(obj for _, obj in lines))
     count, chat = 0, None
     for row in iter_rows(path):
         count += 1

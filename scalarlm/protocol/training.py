@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
@@ -511,6 +512,14 @@ class RLRow(BaseModel):
     # The weights version that generated this completion (generate's `version`); the step's staleness is
     # measured from the oldest version among its rows and the step request's `version`.
     version: int | None = Field(None, ge=0)
+
+    def group_key(self) -> str:
+        """The row's group: its `group`, else its prompt (or messages) text."""
+        if self.group is not None:
+            return self.group
+        if self.prompt is not None:
+            return self.prompt
+        return json.dumps(self.messages, sort_keys=True)
 
 
 class SessionCreateRequest(BaseModel):

@@ -38,7 +38,7 @@ from scalarlm.launcher import (
 )
 from scalarlm.launcher.model_check import check_base_model
 from scalarlm.protocol.errors import Conflict, EngineUnavailable, InvalidRequest, NotFound, ScalarLMError
-from scalarlm.protocol.rows import first_row_scored, summarize_dataset
+from scalarlm.protocol.rows import check_groups, first_row_scored, summarize_dataset
 from scalarlm.protocol.training import (
     NAME_PATTERN,
     DeleteJobResponse,
@@ -211,6 +211,8 @@ class TrainingJobs:
             if summary.first_chat_line is not None and not has_chat_template(Path(base_model)):
                 raise InvalidRequest(f"dataset line {summary.first_chat_line}: chat rows need a chat template, and "
                                      f"base model {base_model} has none", param="dataset")  # fmt: skip
+            if args.loss != "sft":
+                check_groups(summary.rows, summary.groups, args.kl_coef, "dataset", "dataset")
             rows = summary.rows
             config = TrainJobConfig(
                 job_id=job.job_id, base_model=base_model, train_args=args, dataset_rows=rows, created=time.time()

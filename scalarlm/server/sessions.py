@@ -33,7 +33,7 @@ from scalarlm.protocol.training import (
     SessionStepState,
     TrainJobConfig,
 )
-from scalarlm.protocol.rows import check_step_rows
+from scalarlm.protocol.rows import check_groups, check_step_rows, group_count
 from scalarlm.server.jobs import TrainingJobs, new_job_id, parse_train_args
 from scalarlm.server.models import ModelCatalog
 
@@ -154,6 +154,8 @@ class RLSessions:
         (`overlap`: the request's, resolved for its route)."""
         job, config = await asyncio.to_thread(self.session, session_id)
         check_step_rows(request.rows, config.train_args.loss, config.train_args.mask_truncated_completions)
+        if config.train_args.loss != "sft":
+            check_groups(len(request.rows), group_count(request.rows), config.train_args.kl_coef, "rows", "rows")
         files = SessionDir(job)
         generated = batch_version(request.version, request.rows)
         slots = config.session_max_staleness + 1

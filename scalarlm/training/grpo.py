@@ -24,7 +24,6 @@
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,15 +39,6 @@ from scalarlm.training.data import Document, MicroBatch, balance_units, chunks, 
 from scalarlm.training.rows import read_rl_objects, rl_row_from_object
 
 ADV_EPS = 1e-4
-
-
-def group_key(row: RLRow) -> str:
-    """The row's group: its `group`, else its prompt (or messages) text."""
-    if row.group is not None:
-        return row.group
-    if row.prompt is not None:
-        return row.prompt
-    return json.dumps(row.messages, sort_keys=True)
 
 
 def advantages(rewards: Sequence[float], groups: Sequence[str], scaling: str) -> list[float]:
@@ -111,7 +101,7 @@ def encode_rl_rows(tokenizer: Any, rows: Sequence[RLRow], scaling: str, max_len:
     Rows with `completion_token_ids` (in the vocabulary) train on exactly those tokens, as sampled (EOS included
     when it was sampled); their logprobs must match them one to one, or the row is counted and trains on-policy.
     """
-    adv = advantages([r.reward for r in rows], [group_key(r) for r in rows], scaling)
+    adv = advantages([r.reward for r in rows], [r.group_key() for r in rows], scaling)
     vocab = len(tokenizer)
     docs, mismatched, truncated = [], 0, 0
     for index, (row, a) in enumerate(zip(rows, adv)):
@@ -150,7 +140,7 @@ def encode_rl_rows(tokenizer: Any, rows: Sequence[RLRow], scaling: str, max_len:
     advs = torch.tensor(adv, dtype=torch.float64)
     stats = {
         "rows": len(rows),
-        "groups": len({group_key(r) for r in rows}),
+        "groups": len({r.group_key() for r in rows}),
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()) if len(rows) > 1 else 0.0,
         "advantage_mean": float(advs.mean()),
@@ -518,7 +508,7 @@ class GroupStream:
     def from_rows(cls, raw: list[dict[str, Any]], shuffle: bool, seed: int) -> "GroupStream":
         by_key: dict[str, list[dict[str, Any]]] = {}
         for obj in raw:
-            by_key.setdefault(group_key(RLRow.model_validate(obj)), []).append(obj)
+            by_key.setdefault(RLRow.model_validate(obj).group_key(), []).append(obj)
         return cls(list(by_key.values()), shuffle, seed)
 
     def _order(self) -> list[int]:

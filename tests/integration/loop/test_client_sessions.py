@@ -133,15 +133,17 @@ async def test_async_submit_and_a_synchronous_session(api_url: str) -> None:
 
 
 async def _answer_generates(url: str, stop: asyncio.Event) -> None:
-    """The worker protocol, played by the test: every leased prompt answers "slow", stamped with the version the
-    control plane names for its model (so the stand-in's steps take a second and the version stamps are real)."""
+    """The worker protocol, played by the test: every leased prompt answers its `n` completions "slow", stamped with
+    the version the control plane names for its model (so the stand-in's steps take a second and the version stamps
+    are real)."""
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
         while not stop.is_set():
             work = (await http.post("/v1/generate/get_work", json={"worker_id": "test", "capacity": 64})).json()
             versions = {m["name"]: m["version"] for m in work["models"]}
             results = [{"request_id": item["request_id"], "model": item["model"],
                         "version": versions.get(item["model"], 0), "prompt_tokens": 2,
-                        "outputs": [{"text": "slow", "finish_reason": "stop", "token_ids": [5]}]}
+                        "outputs": [{"text": "slow", "finish_reason": "stop", "token_ids": [5]}]
+                        * item["sampling"]["n"]}
                        for item in work["requests"]]  # fmt: skip
             if results:
                 await http.post("/v1/generate/finish_work", json={"worker_id": "test", "results": results})
@@ -170,13 +172,13 @@ async def test_pipeline_generates_the_next_batch_while_a_step_trains(api_url: st
         assert [(s.index, s.generated_version, s.version, s.response.staleness) for s in steps] == [
             (0, 0, 1, 0), (1, 0, 2, 1), (2, 1, 3, 1)]  # fmt: skip
         assert [s.prompts for s in steps] == [_prompts(i) for i in range(3)]
-        assert [len(s.rows) for s in steps] == [2, 2, 2]  # this worker answers one completion per prompt
+        assert [len(s.rows) for s in steps] == [4, 4, 4]  # two completions of each of two prompts
         assert {r.model for r in steps[2].results} == {session.model_name}
 
         def sync_pipeline() -> list[tuple[int, int, int | None]]:
             with ScalarLM(api_url) as client, client.rl_session(max_staleness=0) as s:
                 return [(p.generated_version, p.version, p.response.staleness)
-                        for p in s.pipeline(_prompts, _score, 3, max_tokens=2)]  # fmt: skip
+                        for p in s.pipeline(_prompts, _score, 3, max_tokens=2, n=2, temperature=1.0)]  # fmt: skip
 
         # max_staleness 0: a synchronous loop, each batch generated on the newest weights.
         assert await asyncio.to_thread(sync_pipeline) == [(0, 1, 0), (1, 2, 0), (2, 3, 0)]

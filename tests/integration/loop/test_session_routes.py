@@ -96,6 +96,8 @@ async def test_bad_rows_are_400_and_a_dead_trainer_fails_the_step_fast(control_p
             ([{"completion": "y", "reward": 1}], "prompt"),
             ([{"text": "x"}], "expected"),
             ([RL_ROWS[0], {"prompt": "x", "completion": "y"}], "rows[1]: field 'reward' is required"),
+            ([RL_ROWS[0], {"prompt": "x", "completion": "y", "reward": 0}],
+             "rows: every group holds one completion (2 rows in 2 groups)"),
         ):
             reply = await client.post(f"/v1/train/sessions/{sid}/step", json={"rows": rows})
             assert reply.status_code == 400 and words in reply.json()["error"]["message"], reply.text
@@ -117,7 +119,8 @@ async def test_bad_rows_are_400_and_a_dead_trainer_fails_the_step_fast(control_p
         await client.delete(f"/v1/train/sessions/{sft}")
 
         reply = await client.post(f"/v1/train/sessions/{sid}/step",
-                                  json={"rows": [{"prompt": "x", "completion": "die", "reward": 1}], "wait_seconds": 120})
+                                  json={"rows": [{"prompt": "x", "completion": "die", "reward": 1},
+                                                 {"prompt": "x", "completion": "y", "reward": 0}], "wait_seconds": 120})
         assert reply.status_code == 503
         assert "FAILED" in reply.json()["error"]["message"]
         assert (await client.get(f"/v1/train/sessions/{sid}")).json()["status"] == "FAILED"

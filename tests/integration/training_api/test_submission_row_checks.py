@@ -35,6 +35,9 @@ def no_child_processes(monkeypatch):
          ["dataset line 3", "field 'reward'"]),
         (SCORED + [{"messages": [{"role": "bot", "content": "x"}], "completion": "6", "reward": 1}],
          {"max_steps": 1, "loss": "dr_grpo"}, ["dataset line 3", "field 'messages[0].role'"]),
+        # one completion per prompt: every advantage is 0 and, with no KL term, nothing would train
+        ([SCORED[0], {"prompt": "3+3=", "completion": "6", "reward": 1.0}], {"max_steps": 1},
+         ["dataset: every group holds one completion (2 rows in 2 groups)", "kl_coef > 0"]),
     ],
 )
 def test_bad_row_is_400_naming_line_and_field(client, settings, no_child_processes, rows, params, words):
@@ -44,6 +47,13 @@ def test_bad_row_is_400_naming_line_and_field(client, settings, no_child_process
     for word in words:
         assert word in message, message
     assert _job_dirs(settings) == []
+
+
+def test_groups_of_one_train_with_a_kl_term(client, settings, no_child_processes):
+    rows = [SCORED[0], {"prompt": "3+3=", "completion": "6", "reward": 1.0}]
+    response = post_train(client, sdk_archive(rows, with_ml=False), {"max_steps": 1, "kl_coef": 0.1})
+    assert response.status_code == 200, response.text
+    assert response.json()["job_config"]["dataset_rows"] == 2
 
 
 def test_grpo_chat_prompts_are_accepted(client, settings, no_child_processes):

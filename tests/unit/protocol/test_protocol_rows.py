@@ -11,9 +11,11 @@ import pytest
 
 from scalarlm.protocol.errors import InvalidRequest
 from scalarlm.protocol.rows import (
+    check_groups,
     check_step_row,
     check_step_rows,
     first_row_scored,
+    group_count,
     read_rl_objects,
     rl_row_from_object,
     summarize_dataset,
@@ -107,6 +109,22 @@ def test_a_step_holds_the_rows_its_session_loss_trains() -> None:
         with pytest.raises(InvalidRequest) as err:
             check_step_rows(rows, loss)
         assert err.value.message.startswith(words) and err.value.param == "rows", err.value.message
+
+
+def test_scored_rows_whose_every_group_holds_one_completion_are_refused_without_a_kl_term(tmp_path: Path) -> None:
+    """A group of one has advantage 0: a dataset or step of such groups trains nothing unless kl_coef > 0."""
+    lone = [SCORED, SCORED_CHAT, {**SCORED, "group": "g"}]  # three groups: a prompt, a chat prompt, a named group
+    summary = summarize_dataset(_write(tmp_path, lone), "grpo")
+    assert (summary.rows, summary.groups) == (3, 3) and group_count(lone) == 3
+    with pytest.raises(InvalidRequest) as err:
+        check_groups(summary.rows, summary.groups, 0.0, "dataset", "dataset")
+    assert err.value.message.startswith("dataset: every group holds one completion (3 rows in 3 groups)")
+    assert "kl_coef > 0" in err.value.message and err.value.param == "dataset"
+    check_groups(3, 3, 0.1, "rows", "rows")  # the KL term still trains
+    paired = [*lone, {**SCORED, "completion": "5", "reward": 0.0}]  # the prompt's group now holds two
+    assert group_count(paired) == 3
+    check_groups(len(paired), group_count(paired), 0.0, "rows", "rows")
+    assert summarize_dataset(_write(tmp_path, [CHAT]), "sft").groups == 0
 
 
 def test_an_sft_dataset_refuses_scores_it_would_ignore(tmp_path: Path) -> None:
