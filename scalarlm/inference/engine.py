@@ -9,7 +9,7 @@ from argparse import Namespace
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scalarlm.config import CPU_KV_CACHE_BYTES, Settings, gpu_memory_split
+from scalarlm.config import CPU_KV_CACHE_BYTES, EngineSettings, Settings, gpu_memory_split
 from scalarlm.inference.load import LoadTracker, stat_logger_factory
 from scalarlm.inference.worker_extension import WORKER_EXTENSION
 from scalarlm.inference.vllm_api import (
@@ -95,6 +95,19 @@ def longrope_switch(config: dict, max_model_len: int) -> str | None:
             f"request with longrope's long factors, while transformers and the trainer rotate a sequence of up to "
             f"{original} tokens with the short ones (RL logprobs will differ); set engine.max_model_len to {original} "
             f"to serve as they do")  # fmt: skip
+
+
+def short_context(settings: Settings, config: dict, device: Device) -> str | None:
+    """Why an accelerator engine serves a short context, or None: `engine.max_model_len` at its default (512, the
+    CPU box's) for a model whose own context is longer. Not changed here: the control plane checks prompts against
+    the setting, and does not know the worker's device."""
+    length = settings.engine.max_model_len
+    own = int(config.get("max_position_embeddings") or 0)
+    if device == "cpu" or length != EngineSettings.model_fields["max_model_len"].default or own <= length:
+        return None
+    return (f"engine.max_model_len is {length}, its default (the CPU box's): the engine serves {length} tokens of "
+            f"this model's {own}, and a longer prompt is a 400; set engine.max_model_len (SCALARLM_MAX_MODEL_LEN) "
+            "to serve more")  # fmt: skip
 
 
 def cpu_rotary_args(config: dict, device: Device) -> list[str]:
@@ -189,8 +202,11 @@ def parse_serve_args(settings: Settings, device: Device | None = None) -> Namesp
 def start_engine(settings: Settings) -> Engine:
     """Build the `AsyncLLM` (call inside the running event loop: vLLM starts its output task there)."""
     args = parse_serve_args(settings)
-    if switch := longrope_switch(checkpoint_config(settings.model) or {}, settings.engine.max_model_len):
-        logger.warning("%s: %s", settings.model, switch)
+    config = checkpoint_config(settings.model) or {}
+    notes = longrope_switch(config, settings.engine.max_model_len), short_context(settings, config, engine_device())
+    for note in notes:
+        if note:
+            logger.warning("%s: %s", settings.model, note)
     engine_args = AsyncEngineArgs.from_cli_args(args)
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     tracker = LoadTracker(max_num_seqs=vllm_config.scheduler_config.max_num_seqs)

@@ -91,3 +91,19 @@ def test_a_longrope_model_served_past_its_original_context_is_warned_about() -> 
     yarn = {"rope_parameters": {"rope_type": "yarn", "original_max_position_embeddings": 64}}
     assert longrope_switch(yarn, 512) is None
     assert longrope_switch({}, 512) is None
+
+
+def test_an_accelerator_engine_left_at_the_cpu_context_is_warned_about(tmp_path) -> None:
+    """max_model_len's default (512) is the CPU box's: on an accelerator, a model with a longer context is served
+    short unless the setting changes it, and the worker says so and how."""
+    from scalarlm.inference.engine import short_context
+
+    qwen = {"max_position_embeddings": 40960}
+    unset = Settings(model=str(tmp_path), home=tmp_path)
+    message = short_context(unset, qwen, "accelerator")
+    assert message is not None and "is 512, its default" in message and "of this model's 40960" in message
+    assert "SCALARLM_MAX_MODEL_LEN" in message
+    assert short_context(unset, qwen, "cpu") is None
+    assert short_context(unset, {"max_position_embeddings": 512}, "accelerator") is None
+    given = Settings(model=str(tmp_path), home=tmp_path, engine={"max_model_len": 4096})
+    assert short_context(given, qwen, "accelerator") is None
