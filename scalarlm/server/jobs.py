@@ -433,10 +433,10 @@ class TrainingJobs:
             await asyncio.to_thread(self.stop_for_shutdown)
 
     def remove_abandoned_uploads(self) -> list[str]:
-        """Remove the chunked uploads no chunk reached for `upload.abandoned_upload_seconds` (logged)."""
+        """Remove the uploads nothing reached for `upload.abandoned_upload_seconds` (logged)."""
         removed = UploadSessions(self.uploads_dir, self.settings.upload).remove_abandoned()
         if removed:
-            logger.info("removed %d abandoned chunked uploads: %s", len(removed), ", ".join(removed))
+            logger.info("removed %d abandoned uploads: %s", len(removed), ", ".join(removed))
         return removed
 
     def stop_for_shutdown(self) -> list[str]:

@@ -108,15 +108,21 @@ class UploadSessions:
         shutil.rmtree(self._dir(upload_id), ignore_errors=True)
 
     def remove_abandoned(self) -> list[str]:
-        """Remove the sessions whose last chunk (or init) is `abandoned_upload_seconds` old; their upload ids."""
+        """Remove the sessions whose last chunk (or init) is `abandoned_upload_seconds` old, and the spool files of
+        single-POST uploads (`single-*`) written to that long ago (a process killed mid-request leaves one); the
+        session ids and spool names."""
         now = time.time()
         removed = []
-        for folder in sorted(self.root.glob("chunked-*")) if self.root.is_dir() else []:
+        paths = sorted(self.root.glob("chunked-*")) + sorted(self.root.glob("single-*")) if self.root.is_dir() else []
+        for path in paths:
             try:
-                last = max(p.stat().st_mtime for p in (folder, *folder.iterdir()))
+                last = max(p.stat().st_mtime for p in (path, *(path.iterdir() if path.is_dir() else ())))
             except OSError:  # finalized or removed meanwhile
                 continue
             if now - last >= self.limits.abandoned_upload_seconds:
-                shutil.rmtree(folder, ignore_errors=True)
-                removed.append(folder.name.removeprefix("chunked-"))
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+                removed.append(path.name.removeprefix("chunked-"))
         return removed

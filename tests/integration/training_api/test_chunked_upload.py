@@ -103,10 +103,12 @@ def test_an_upload_no_chunk_reaches_for_abandoned_upload_seconds_is_removed(sett
     left = settings.home / "uploads" / ("chunked-" + "a" * 32)  # left by a client before a restart
     left.mkdir(parents=True)
     (left / "chunk-0").write_bytes(b"x")
-    for path in (left / "chunk-0", left):
+    spooled = settings.home / "uploads" / "single-0123456789abcdef"  # a plain upload's spool, its process killed
+    spooled.write_bytes(b"x")
+    for path in (left / "chunk-0", left, spooled):
         os.utime(path, (time.time() - 60, time.time() - 60))
     with TestClient(create_app(settings)) as client:
-        assert not left.exists()  # swept as the app starts
+        assert not left.exists() and not spooled.exists()  # swept as the app starts
         stale = init(client, archive, {}).json()["upload_id"]
         assert send_chunk(client, stale, 0, archive[:CHUNK]).status_code == 200
         live = init(client, other, {}).json()["upload_id"]
