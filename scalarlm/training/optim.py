@@ -203,6 +203,7 @@ class GpuDistributedOptimizer:
             clip_grad=args.max_grad_norm,
         )
         self.model = ddp_model
+        self.config = config
         self.tp_size = tp_size
         self.weight_decay = args.weight_decay
         self.opt = get_megatron_optimizer(config, [ddp_model])
@@ -230,15 +231,42 @@ class GpuDistributedOptimizer:
         return list(getattr(self.opt, "chained_optimizers", [self.opt]))
 
     def state_dict(self) -> dict[str, Any]:
+        """Per sub-optimizer: megatron's state dict and its parameter state (main params and moments), or None for
+        one with no state yet. Before the first step there is nothing to keep: megatron's `state_dict` (torch AdamW,
+        no TransformerEngine / Apex: our images') asserts one step count among no states."""
+        subs = self._sub_optimizers()
+        if not any(o.optimizer.state for o in subs):
+            return {"megatron": None, "param_state": None}
         return {
-            "megatron": self.opt.state_dict(),
-            "param_state": [o.get_parameter_state_dp_reshardable() for o in self._sub_optimizers()],
+            "megatron": [o.state_dict() if o.optimizer.state else None for o in subs],
+            "param_state": [o.get_parameter_state_dp_reshardable() if o.optimizer.state else None for o in subs],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.opt.load_state_dict(state["megatron"])
-        for o, s in zip(self._sub_optimizers(), state["param_state"]):
-            o.load_parameter_state_from_dp_reshardable(s)
+        """Restore what `state_dict` returned; a state saved before the first step gives a fresh optimizer (its main
+        params from the model's current ones)."""
+        if state["megatron"] is None:
+            from megatron.core.optimizer import get_megatron_optimizer
+
+            self.opt = get_megatron_optimizer(self.config, [self.model])
+            return
+        for o, saved, params in zip(self._sub_optimizers(), state["megatron"], state["param_state"]):
+            if saved is None:
+                continue
+            o.load_state_dict(saved)
+            # megatron 0.16's loader skips the entries its sharded format marks `padding`; the plain format it
+            # saves (`get_parameter_state_dp_reshardable`) has no such key, and none is padding.
+            for key, by_dtype in params.items():
+                for buckets in by_dtype.values() if isinstance(key, int) else ():
+                    for entry in (e for bucket in buckets for e in bucket):
+                        entry.setdefault("padding", False)
+            with torch.no_grad():  # fp32 params' main params are views of the params, which require grad
+                o.load_parameter_state_from_dp_reshardable(params)
+            # megatron's load (without TransformerEngine / Apex) gives every param's state one shared `step` tensor,
+            # which torch's AdamW would then advance once per param each step (a wrong bias correction).
+            for param_state in o.optimizer.state.values():
+                if "step" in param_state:
+                    param_state["step"] = param_state["step"].clone()
 
 
 def build_optimizer(ddp_model: torch.nn.Module, args: TrainArgs, par: Parallel, bf16: bool) -> Optimizer:

@@ -81,7 +81,7 @@ def save_state(
     folder.mkdir(parents=True, exist_ok=True)
     payload = {
         "step": step,
-        "model": {k: p.detach().clone() for k, p in model.named_parameters()},
+        "model": {k: p.detach().to("cpu", copy=True) for k, p in model.named_parameters()},  # no 2nd copy on a GPU
         "optimizer": optimizer.state_dict(),
         "rng": _rng_state(par),
         **extra,

@@ -8,6 +8,7 @@ parameter (where DDP accumulates grads); the optimizer itself is the real `CpuAd
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -99,3 +100,86 @@ def test_the_gpu_optimizer_decays_matrices_only_on_megatrons_param_groups() -> N
     after = list(model.parameters())
     assert torch.allclose(after[0], before[0] * (1 - 0.1 * 0.5))
     assert all(torch.equal(a, b) for a, b in zip(after[1:], before[1:]))
+
+
+def _megatron_shard(sizes: list[int], seed: int = 0) -> Any:
+    """megatron's DistributedOptimizer as one DP rank holding whole fp32 params in one bucket, with torch AdamW (our
+    images have no TransformerEngine / Apex): built field by field, since its constructor needs CUDA; its state
+    methods (state_dict, load_state_dict, get_parameter_state_dp_reshardable, load_parameter_state_from_dp_reshardable)
+    are megatron's own. Each model param's main param is itself (fp32 params: megatron's view of the param)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
+
+    generator = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(n, generator=generator)) for n in sizes]
+    shard = DistributedOptimizer.__new__(DistributedOptimizer)
+    group = {"params": params, "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}
+    shard.optimizer = torch.optim.AdamW([group], lr=0.1, weight_decay=0.0, foreach=True)
+    shard.config = OptimizerConfig(lr=0.1, use_distributed_optimizer=True)
+    shard.ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+    shard.grad_scaler = None
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    shard.gbuf_ranges = [{(torch.float32, torch.float32): [{"param_map": {
+        p: {"gbuf_local": Range(a, a + p.numel()), "gbuf_world": Range(a, a + p.numel()), "param": Range(0, p.numel())}
+        for p, a in zip(params, starts)}}]}]  # fmt: skip
+    shard.model_param_group_index_map = {p: (0, i) for i, p in enumerate(params)}
+    shard.per_bucket_numel = shard.per_bucket_numel_unpadded = {0: {(torch.float32, torch.float32): [sum(sizes)]}}
+    return shard
+
+
+def _adam_steps(optimizer: Any, shard: Any, steps: range) -> None:
+    for k in steps:  # the same gradients on every run: a function of the step and the param
+        for i, p in enumerate(shard.optimizer.param_groups[0]["params"]):
+            p.grad = torch.full_like(p, 0.1 * (k + 1)) * torch.linspace(-1, 1, p.numel()) * (i + 1)
+        shard.optimizer.step()
+
+
+@pytest.mark.parametrize("chained", [False, True])
+def test_the_gpu_optimizer_resumes_exactly(chained: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU optimizer's saved state resumes the uninterrupted run: 2 steps, save, load into a fresh optimizer, 2
+    more steps equal 4 steps in a row (params, moments, each param's own step count of 4). Also a save before any
+    step (a job cancelled during its model load) is a fresh optimizer's. Each failed on megatron 0.16 as called
+    before: its state_dict asserted on no states, its loader wanted a `padding` key its saver never wrote, and its
+    load left one shared step tensor that AdamW advanced once per param."""
+    import io
+
+    from megatron.core.optimizer import ChainedOptimizer
+
+    from scalarlm.training.optim import GpuDistributedOptimizer
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # where megatron allocates a fresh state
+
+    def wrapped(seed: int) -> GpuDistributedOptimizer:
+        opt = GpuDistributedOptimizer.__new__(GpuDistributedOptimizer)
+        parts = [_megatron_shard([3, 5], seed)] + ([_megatron_shard([4], seed + 1)] if chained else [])
+        opt.opt = ChainedOptimizer(parts) if chained else parts[0]
+        return opt
+
+    def shards(opt: GpuDistributedOptimizer) -> list[Any]:
+        return opt._sub_optimizers()
+
+    def round_trip(state: dict) -> dict:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=False)
+
+    straight, resumed = wrapped(0), wrapped(0)
+    assert resumed.state_dict() == {"megatron": None, "param_state": None}  # before any step: nothing to keep
+    for opt in (straight, resumed):
+        for shard in shards(opt):
+            _adam_steps(opt, shard, range(2))
+    saved = round_trip(resumed.state_dict())
+    fresh = wrapped(7)  # other initial params: the saved main params must replace them
+    fresh.load_state_dict(saved)
+    for opt in (straight, fresh):
+        for shard in shards(opt):
+            _adam_steps(opt, shard, range(2, 4))
+    for a, b in zip(shards(straight), shards(fresh)):
+        for p, q in zip(a.optimizer.param_groups[0]["params"], b.optimizer.param_groups[0]["params"]):
+            assert torch.allclose(p, q, rtol=0, atol=1e-7)
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.allclose(a.optimizer.state[p][key], b.optimizer.state[q][key], rtol=1e-6, atol=0)
+        steps = [b.optimizer.state[q]["step"] for q in b.optimizer.param_groups[0]["params"]]
+        assert [float(s) for s in steps] == [4.0] * len(steps) and len({id(s) for s in steps}) == len(steps)
