@@ -100,5 +100,8 @@ class RoutingReplay:
         if router is not None and router.config.sequence_parallel:
             import torch.distributed as dist
 
-            dist.all_reduce(out, group=router.tp_cp_group)
+            # on the router's device: the group is NCCL's on a GPU, which takes no CPU tensor
+            on_device = out.to(router.weight.device)
+            dist.all_reduce(on_device, group=router.tp_cp_group)
+            out = on_device.cpu()
         return out
