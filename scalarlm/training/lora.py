@@ -63,11 +63,15 @@ class LoraPair(nn.Module):
 class LoraSet(nn.Module):
     """The adapters of one megatron linear (one per fused HF projection it holds that is targeted)."""
 
-    def __init__(self, pairs: dict[str, LoraPair], kind: str, layout: Kind, scale: float, dropout: float) -> None:
+    def __init__(self, pairs: dict[str, LoraPair], kind: str, layout: Kind, scale: float, dropout: float,
+                 sequence_parallel: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.pairs = nn.ModuleDict(pairs)
         self.kind = kind  # "column" or "row" parallel
         self.layout = layout  # how the fused HF modules sit in megatron's output (families.layouts)
+        # The linear runs under sequence parallelism (MoE and MLA models at TP > 1): a column-parallel one's input,
+        # and a row-parallel one's output, hold this TP rank's share of the tokens.
+        self.sequence_parallel = sequence_parallel
         self.scale = scale
         self.dropout = dropout
         self.enabled = True
@@ -108,10 +112,16 @@ def _delta(lora: LoraSet, name: str, x: Tensor) -> Tensor:
 
 def _column_delta(lora: LoraSet, projs: tuple[str, ...], x: Tensor, arch: ModelArch, tp: tuple[int, int]) -> Tensor:
     """This TP rank's slice of the fused delta, in megatron's layout (the weights' layout, via `layouts`)."""
-    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
 
     rank, size = tp
-    x = copy_to_tensor_model_parallel_region(lora.drop(x))  # backward: sum the input grads of all TP ranks
+    if lora.sequence_parallel:  # every rank's tokens, as the linear gathers them (backward: reduce-scatter)
+        x = lora.drop(gather_from_sequence_parallel_region(x))
+    else:
+        x = copy_to_tensor_model_parallel_region(lora.drop(x))  # backward: sum the input grads of all TP ranks
     shapes = _proj_shapes(arch)
     lead = x.shape[:-1]
     parts = [_delta(lora, p, x) if p in lora.pairs else x.new_zeros(*lead, shapes[p][1]) for p in projs]
@@ -120,13 +130,21 @@ def _column_delta(lora: LoraSet, projs: tuple[str, ...], x: Tensor, arch: ModelA
 
 
 def _row_delta(lora: LoraSet, proj: str, x: Tensor, tp: tuple[int, int]) -> Tensor:
-    """The full delta of a row-parallel linear from this rank's input shard (all-reduced over TP)."""
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+    """The full delta of a row-parallel linear from this rank's input shard (all-reduced over TP; under sequence
+    parallelism reduce-scattered, as the linear's output: this rank's tokens)."""
+    from megatron.core.tensor_parallel.mappings import (
+        reduce_from_tensor_model_parallel_region,
+        reduce_scatter_to_sequence_parallel_region,
+    )
 
     rank, size = tp
     pair = lora.pairs[proj]
     a = torch.chunk(pair.A, size, dim=1)[rank].to(x.dtype)
-    low = reduce_from_tensor_model_parallel_region(lora.drop(x, rank, size) @ a.t())
+    partial = lora.drop(x, rank, size) @ a.t()
+    if lora.sequence_parallel:
+        low = reduce_scatter_to_sequence_parallel_region(partial)
+    else:
+        low = reduce_from_tensor_model_parallel_region(partial)
     return low @ pair.B.t().to(x.dtype) * lora.scale
 
 
@@ -166,7 +184,8 @@ def attach_lora(model: nn.Module, arch: ModelArch, config: LoraConfig, tp_rank: 
             kind = "row" if layout == "dim1" else "column"
             linear = layer.get_submodule(path)
             pairs = {p: LoraPair(config.r, shapes[p][0], shapes[p][1], gen) for p in chosen}
-            lora = LoraSet(pairs, kind, layout, config.alpha / config.r, config.dropout)
+            lora = LoraSet(pairs, kind, layout, config.alpha / config.r, config.dropout,
+                           bool(getattr(linear, "sequence_parallel", False)))  # fmt: skip
             device = next(linear.parameters()).device
             lora.to(device)
             linear.lora = lora
@@ -194,7 +213,8 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
 
 
 def allreduce_lora_grads(model: nn.Module, group: dist.ProcessGroup, tp_size: int) -> None:
-    """Sum the partial A/B gradients over TP ranks (row-parallel B grads are already complete).
+    """Sum the partial A/B gradients over TP ranks (row-parallel B grads are already complete, unless under sequence
+    parallelism: each rank's B then sees only its own tokens).
 
     With megatron DDP this reduces `main_grad`: call it only after `finish_grad_sync()` (overlapped DP all-reduces of
     those buffers may still be running before it), in the same order on every rank."""
@@ -202,7 +222,7 @@ def allreduce_lora_grads(model: nn.Module, group: dist.ProcessGroup, tp_size: in
         return
     for lora in lora_sets(model):
         for pair in lora.pairs.values():
-            params = [pair.A] if lora.kind == "row" else [pair.A, pair.B]
+            params = [pair.A] if lora.kind == "row" and not lora.sequence_parallel else [pair.A, pair.B]
             for p in params:
                 grad = getattr(p, "main_grad", None)
                 if grad is None:

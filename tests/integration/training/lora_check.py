@@ -26,7 +26,7 @@ def check(model_dir: Path, out: Path, par) -> dict:
     from scalarlm.protocol.training import LoraConfig
     from scalarlm.training import hf_io, lora
     from scalarlm.training.convert import hf_to_mcore, mark_tensor_parallel
-    from scalarlm.training.model import build_gpt_model, check_tensor_parallel, model_arch
+    from scalarlm.training.model import build_gpt_model, check_tensor_parallel, model_arch, sequence_parallel
 
     from scalarlm.protocol.errors import InvalidRequest
 
@@ -36,7 +36,9 @@ def check(model_dir: Path, out: Path, par) -> dict:
         lora.check_targets(LoraConfig(r=4, alpha=8), arch)
     except InvalidRequest as e:
         return {"model": model_dir.name, "tp": par.tp_size, "refused": e.message}
-    model = build_gpt_model(arch, par.tp_size, bf16=False, parallel_output=False)
+    # as the trainer builds it: a mixture-of-experts model at TP > 1 under sequence parallelism
+    model = build_gpt_model(arch, par.tp_size, bf16=False, parallel_output=False,
+                            sequence_parallel=sequence_parallel(arch, par.tp_size))  # fmt: skip
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in hf_to_mcore(hf_io.load_weights(model_dir), arch, par.tp_rank, par.tp_size).items():

@@ -136,6 +136,10 @@ def test_lora_matches_peft(lora, family_models: dict[str, Path], model: str, tp:
     assert r["base_diff"] <= tolerance, r  # adapters disabled = the base model (the KL reference)
     # the adapter really changes the logits, far beyond the bound (Granite's logits / 16 move the least: 0.029)
     assert r["lora_effect"] > 100 * tolerance, r
+    if tp > 1:  # the adapters' gradients after the trainer's TP all-reduce = TP=1's (MoE: under sequence parallelism)
+        one = lora(1)[model]["grad_norms"]
+        assert r["grad_norms"].keys() == one.keys()
+        assert all(r["grad_norms"][name] == pytest.approx(g, rel=1e-4) for name, g in one.items()), (r, one)
     if model.startswith("gpt-neox"):  # PEFT's names for its modules (vLLM's Transformers backend loads them)
         assert r["target_modules"] == ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"], r
     elif model == "phi":
