@@ -92,6 +92,8 @@ class Trainer:
         self.model = self._build_model()
         if self.lora:
             lora.attach_lora(self.model, self.arch, args.lora_config, par.tp_rank, par.tp_size, args.seed)
+            if args.gradient_checkpointing:
+                lora.recompute_reaches_adapters(self.model)
         # The KL reference of full-weight training is a frozen copy of the base (LoRA: adapters disabled).
         self.ref_model = None
         if not self.lora and args.loss != "sft" and args.kl_coef > 0:

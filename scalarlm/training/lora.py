@@ -194,6 +194,18 @@ def attach_lora(model: nn.Module, arch: ModelArch, config: LoraConfig, tp_rank: 
     return sets
 
 
+def recompute_reaches_adapters(model: nn.Module) -> None:
+    """Under megatron's full activation recompute each layer is a checkpoint that tracks gradients only when its input
+    does, and with the base frozen nothing before the first adapter does: the adapters got no gradient (backward found
+    no graph). The embedding's output requires grad instead (HF's `enable_input_require_grads`)."""
+
+    def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
+        if torch.is_grad_enabled() and not output.requires_grad:
+            output.requires_grad_(True)
+
+    model.embedding.register_forward_hook(hook)
+
+
 def lora_sets(model: nn.Module) -> list[LoraSet]:
     """Every adapter set attached to `model`."""
     return [m for m in model.modules() if isinstance(m, LoraSet)]

@@ -256,6 +256,20 @@ def test_gradient_checkpointing_job_reproduces_the_loss_curve(reference: JobDir,
     assert max(abs(a - b) for a, b in zip(ours, theirs)) < RESUME_TOLERANCE
 
 
+def test_gradient_checkpointing_trains_lora_adapters_as_without(jobs_root: Path, tiny_model_dir: Path) -> None:
+    """With the base frozen, a recomputed layer's checkpoint tracked no gradient and the adapters got none (the job
+    failed at its first backward): the same LoRA job with and without recompute now gives the same curve."""
+    args = {**TRAIN_ARGS, "adapter_type": "lora", "max_steps": 3}
+    curves = []
+    for recompute in (False, True):
+        job = make_job(jobs_root, f"lora-recompute-{recompute}", tiny_model_dir, rows(), **args,
+                       gradient_checkpointing=recompute)  # fmt: skip
+        assert run_trainer(job) == 0, trainer_output(job)
+        curves.append(losses(job))
+    assert len(curves[1]) == 3 and max(abs(a - b) for a, b in zip(*curves)) < RESUME_TOLERANCE, curves
+    assert curves[1][-1] != curves[1][0]  # the adapters trained
+
+
 def test_every_step_is_in_tensorboard_event_files_beside_the_metrics(reference: JobDir) -> None:
     """Read back with TensorBoard's own reader: each metric of metrics.jsonl is a scalar curve by step."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
