@@ -86,6 +86,24 @@ class RoutingReplay:
                 else:
                     rr.clear_router_replay_action()
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """The routers on their own choices inside the block, uncounted, then each router's replay state back: the
+        LoRA KL reference (the same model, adapters off) routes as the base does, and the policy's activation
+        recompute in backward still finds its recorded choices."""
+        replays = [r.router_replay for r in self.routers]
+        saved = [(rr.router_replay_action, list(rr.replay_backward_list)) for rr in replays]
+        targets, self._targets = self._targets, None
+        for rr in replays:
+            rr.clear_router_replay_action()
+        try:
+            yield
+        finally:
+            self._targets = targets
+            for rr, (action, backward) in zip(replays, saved):
+                rr.router_replay_action = action
+                rr.replay_backward_list = backward
+
     def done(self) -> None:
         """After the step: routers back to their own choices."""
         for router in self.routers:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -120,7 +120,9 @@ def _reference_logp(trainer: "Trainer", batch: MicroBatch) -> Tensor:
     """Per-token logprobs of the frozen reference: the base (adapters off) or the frozen full-weight copy."""
     with torch.no_grad():
         if trainer.lora:  # in eval mode, as the frozen copy: no dropout in the reference
-            with adapters_disabled(trainer.model), evaluating(trainer.ddp):
+            # MoE with routing replay: the base routes on its own choices, never the policy's recorded ones
+            paused = trainer.routing.paused() if trainer.routing is not None else nullcontext()
+            with adapters_disabled(trainer.model), evaluating(trainer.ddp), paused:
                 return -token_losses(trainer.ddp, batch, loss_only=True).float()
         return -token_losses(trainer.ref_model, batch, loss_only=True).float()
 

@@ -30,6 +30,7 @@ from scalarlm.protocol.errors import Conflict, InvalidRequest, NotFound
 from scalarlm.training import lora
 from scalarlm.training.data import MicroBatch, balance_units
 from scalarlm.training.losses import token_losses
+from scalarlm.training.moe_balance import aux_loss_scale
 from scalarlm.training.optim import build_optimizer
 from scalarlm.training.rl_step import MIN_ROWS_PER_MICRO
 from scalarlm.training.step import start_accumulated_sync
@@ -253,6 +254,10 @@ def forward_backward(trainer: "Trainer", request: dict[str, Any], backward: bool
         long_after = trainer.arch.longrope[2] if trainer.arch.longrope else None
         return [[rows[k] for k in u] for u in datum_units([pairs[i] for i in rows], budget, long_after)]
 
+    if backward and trainer.args.trains_balance_loss:
+        # The loss is a sum over tokens: so is each datum's load-balancing loss (megatron's router multiplies it by
+        # the forward's tokens), with a backward scale of 1 -- set here, since a GRPO step leaves 1 / its tokens.
+        aux_loss_scale(1)
     rows = balance_units(units_of(list(range(len(data)))), partial(unit_tokens, pairs), par.dp_size)[par.dp_rank]
     mine: list[tuple[int, float, dict[str, Any]]] = []
     for group in _micro_units(units_of(rows), pairs, budget):

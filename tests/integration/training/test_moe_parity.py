@@ -284,6 +284,53 @@ MU = dict(loss="grpo", num_iterations=3, max_steps=6, batch_size=3, learning_rat
           adapter_type="full", dtype="float32", steps_per_checkpoint=6, shuffle=False, max_seq_len=32)  # fmt: skip
 
 
+def test_tinker_forward_backward_weighs_the_balance_loss_the_same_after_a_grpo_step(moe_models: dict[str, Path],
+                                                                                 tmp_path: Path) -> None:  # fmt: skip
+    """A session on a MoE model with a trained load-balancing loss: Tinker's forward_backward gives the same router
+    gradient before and after an ordinary GRPO step of the session (learning rate 1e-12). The step left megatron's
+    aux-loss backward scale at 1 / its tokens, which forward_backward inherited (router gradient norm 56.9 vs 54.8)."""
+    from scalarlm.checkpoint import JobDir
+    from scalarlm.checkpoint.session import SessionDir
+    from scalarlm.protocol.training import TrainArgs, TrainJobConfig
+
+    job = JobDir(tmp_path / "tinker-aux")
+    job.create()
+    args = TrainArgs(loss="grpo", adapter_type="full", learning_rate=1e-12, lr_schedule="constant", max_seq_len=32,
+                     moe_aux_loss_coef=0.1, batch_size=3)  # fmt: skip
+    job.write_config(TrainJobConfig(job_id="tinker-aux", base_model=str(moe_models["qwen3-moe"]), train_args=args,
+                                    session=True))  # fmt: skip
+    job.dataset_path.write_text("")
+    SessionDir(job).create()
+    script = Path(__file__).with_name("tinker_aux_check.py")
+    proc = subprocess.run([sys.executable, str(script), str(job.root)], env={**mpi_env(), "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(lines[0][len("RESULT ") :])
+    assert result["router_grad"] > 1 and result["max_diff"] < 1e-6, result
+
+
+def test_the_lora_kl_reference_routes_on_its_own_under_replay_and_recompute(moe_models: dict[str, Path],
+                                                                           tmp_path: Path) -> None:  # fmt: skip
+    """LoRA GRPO on tiny Qwen3-MoE with a KL term, routing replay and activation recompute: the KL reference (the same
+    model, adapters off) is the frozen base routing on its own choices, so a batch's reference is identical on all
+    its passes. It used to route on the policy's replayed experts on the later passes (up to 3 nats per token
+    apart, measured), and with recompute it emptied the replay list the backward needed (the job failed)."""
+    from trainer_jobs import make_job
+
+    args = {**MU, "adapter_type": "lora", "lora_config": {"r": 4, "alpha": 8}, "learning_rate": 5e-2,
+            "num_iterations": 2, "kl_coef": 0.05, "routing_replay": True, "gradient_checkpointing": True}
+    job = make_job(tmp_path, "lora-kl-replay", moe_models["qwen3-moe"], grpo_rows(), **args)
+    script = Path(__file__).with_name("replay_reference_check.py")
+    proc = subprocess.run([sys.executable, str(script), str(job.root)], env=mpi_env(), capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(lines[0][len("RESULT ") :])
+    assert result["status"] == "COMPLETED" and result["steps"] == [1, 2, 3, 4, 5, 6], result
+    assert result["compared"] >= 3 and result["max_pass_diff"] == 0.0, result
+
+
 @pytest.mark.slow
 def test_grpo_steps_over_one_batch_record_compare_and_replay_the_routing(moe_models: dict[str, Path],
                                                                          tmp_path: Path) -> None:  # fmt: skip
