@@ -68,6 +68,9 @@ def setup_logging(job: JobDir, rank: int) -> None:
     logging.captureWarnings(True)
 
 
+DEVICE_VARIABLES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+
+
 def _fail(job: JobDir, reason: str, step: int | None = None) -> int:
     """Record FAILED with `reason`; return the exit code of a failed rank."""
     logger.error("job failed: %s", reason)
@@ -76,6 +79,14 @@ def _fail(job: JobDir, reason: str, step: int | None = None) -> int:
         changes["step"] = step
     job.update_status(**changes)
     return 1
+
+
+def no_gpu_reason(gpus: int, environ: Mapping[str, str]) -> str:
+    """Why a job that asks for GPUs stops on a node where torch sees none (a driver missing, or device variables
+    that hide them all: ROCm applies CUDA_VISIBLE_DEVICES after renumbering by ROCR_VISIBLE_DEVICES)."""
+    seen = ", ".join(f"{k}={environ[k]!r}" for k in DEVICE_VARIABLES if k in environ) or "none of them set"
+    return (f"the job asks for {gpus} GPU(s) a node and torch sees none on this node ({', '.join(DEVICE_VARIABLES)}: "
+            f"{seen}): check the node's GPU driver and that the device variables name its devices once")
 
 
 def _keep_metrics_up_to(job: JobDir, step: int) -> None:
@@ -111,6 +122,8 @@ def run_job(job_dir: Path, environ: Mapping[str, str]) -> int:
     from scalarlm.training.session_loop import run_session
     from scalarlm.training.tensorboard_log import TensorBoardLog
 
+    if args.gpus and not torch.cuda.is_available():  # a GPU job never trains on this node's CPU instead
+        return _fail(job, no_gpu_reason(args.gpus, environ)) if main else 1
     torch.manual_seed(args.seed)
     trainer = None
     board: TensorBoardLog | None = None

@@ -256,6 +256,16 @@ def test_gradient_checkpointing_job_reproduces_the_loss_curve(reference: JobDir,
     assert max(abs(a - b) for a, b in zip(ours, theirs)) < RESUME_TOLERANCE
 
 
+def test_a_gpu_job_where_no_gpu_is_visible_fails_not_trains_on_cpu(jobs_root: Path, tiny_model_dir: Path) -> None:
+    """A job that asks for GPUs where torch sees none (no driver, or device variables that hide them all, as ROCm's
+    renumbering can) fails at once naming the device variables: it used to train on the node's CPU unnoticed."""
+    job = make_job(jobs_root, "no-gpu", tiny_model_dir, rows(), **{**TRAIN_ARGS, "gpus": 1})
+    assert run_trainer(job) == 1, trainer_output(job)
+    status = job.read_status()
+    assert status.status == "FAILED" and "asks for 1 GPU(s) a node and torch sees none" in status.reason, status
+    assert "ROCR_VISIBLE_DEVICES" in status.reason and not job.read_metrics()
+
+
 def test_gradient_checkpointing_trains_lora_adapters_as_without(jobs_root: Path, tiny_model_dir: Path) -> None:
     """With the base frozen, a recomputed layer's checkpoint tracked no gradient and the adapters got none (the job
     failed at its first backward): the same LoRA job with and without recompute now gives the same curve."""
