@@ -1,4 +1,4 @@
-"""The sbatch script a SLURM job runs: resources from the train args, then the trainer under `srun --mpi=pmix`."""
+"""The sbatch script a SLURM job runs: resources from the train args, then the trainer under `srun --mpi=none`."""
 
 from __future__ import annotations
 
@@ -22,6 +22,14 @@ NO_NOTIFY_NOTE = "# the trainer announces no steps (no notify URL is known); the
 # marks it FAILED with that reason or resumes it from its saved state, as `training.resume` says.
 # Seconds before the time limit at which SLURM sends SIGTERM so the trainer saves its state.
 SIGNAL_LEAD_SECONDS = 120
+# Who gets that SIGTERM. Under srun, the ranks' step itself (sbatch's --signal without B:): srun answers a SIGTERM
+# of its own by SIGKILLing every rank, so nothing would be saved. Under mpirun (inside the batch step), the batch
+# shell, which passes it to mpirun.
+FORWARD_TERM = """
+# --signal=B:TERM reaches only this shell: pass it on so every rank checkpoints before the limit.
+forward_term() { kill -TERM "$child" 2>/dev/null; }
+trap forward_term TERM
+"""
 
 SBATCH_TEMPLATE = Template(
     """#!/bin/bash
@@ -29,7 +37,7 @@ SBATCH_TEMPLATE = Template(
 #SBATCH --nodes=${nodes}
 ${task_lines}
 #SBATCH --time=${minutes}
-#SBATCH --signal=B:TERM@${signal_lead}
+#SBATCH --signal=${signal}
 #SBATCH --output=${log}
 #SBATCH --open-mode=append
 #SBATCH --chdir=${chdir}
@@ -39,20 +47,19 @@ ${task_lines}
 ${notify_note}
 
 set -u
-export MASTER_ADDR="$$(scontrol show hostnames "$$SLURM_JOB_NODELIST" | head -n 1)"
+# The first node's address as SLURM knows it (NodeAddr): its name may not resolve on the other nodes.
+first="$$(scontrol show hostnames "$$SLURM_JOB_NODELIST" | head -n 1)"
+addr="$$(scontrol -o show node "$$first" 2>/dev/null | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)"
+export MASTER_ADDR="$${addr:-$$first}"
 export MASTER_PORT=${port}
 export PYTHONUNBUFFERED=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-
-# --signal=B:TERM reaches only this shell: pass it on so every rank checkpoints before the limit.
-forward_term() { kill -TERM "$$child" 2>/dev/null; }
-trap forward_term TERM
-
+${forward}
 ${launch} ${trainer} &
 child=$$!
 wait "$$child"
 rc=$$?
-# `wait` returns early when the trap fires; keep waiting for the ranks to finish saving.
+# `wait` returns early when a trap fires; keep waiting for the ranks to finish saving.
 while kill -0 "$$child" 2>/dev/null; do
     wait "$$child"
     rc=$$?
@@ -98,7 +105,7 @@ def render_sbatch(
     config: TrainJobConfig, settings: Settings, *, job_root: str, log: str, python: str,
     entry: list[str], launch: str = "srun", port: int = 29500, notify: bool = False,
 ) -> str:  # fmt: skip
-    """The sbatch script text; `launch` is 'srun' (srun --mpi=pmix) or 'mpirun'.
+    """The sbatch script text; `launch` is 'srun' (one task per rank) or 'mpirun' (inside the batch step).
 
     `notify`: sbatch's environment holds SCALARLM_NOTIFY_URL/KEY (see SlurmLauncher.sbatch_environment); srun
     passes them on by itself, mpirun is told to. The key is never written into the script.
@@ -110,8 +117,8 @@ def render_sbatch(
         task_lines = f"#SBATCH --ntasks={res.ranks}"
     if launch == "srun":
         # srun names each task by SLURM_* variables; the trainer reads torchrun's names when not under mpirun.
-        launcher = (
-            "srun --mpi=pmix --kill-on-bad-exit=1 bash -c "
+        launcher = (  # --mpi=none: the ranks rendezvous by torch.distributed, and need no PMI plugin on the cluster
+            "srun --mpi=none --kill-on-bad-exit=1 bash -c "
             "'export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID; exec \"$@\"' rank"
         )
     elif launch == "mpirun":
@@ -126,7 +133,8 @@ def render_sbatch(
         nodes=res.nodes,
         task_lines=task_lines,
         minutes=res.minutes,
-        signal_lead=SIGNAL_LEAD_SECONDS,
+        signal=f"TERM@{SIGNAL_LEAD_SECONDS}" if launch == "srun" else f"B:TERM@{SIGNAL_LEAD_SECONDS}",
+        forward="" if launch == "srun" else FORWARD_TERM,
         log=shlex.quote(log),
         chdir=shlex.quote(job_root),
         ranks=res.ranks,

@@ -143,15 +143,27 @@ class SlurmLauncher:
         return "finished", f"SLURM job {record.launcher_id} ended {state}{suffix}"
 
     def cancel(self, job: JobDir) -> None:
-        """scancel sends SIGTERM to every rank (they save state), then SIGKILL after SLURM's KillWait."""
+        """Stop a running job's ranks with SIGTERM (they save their state), then end what is left after
+        `grace_seconds` with a plain scancel (SIGTERM to every step, SIGKILL after SLURM's KillWait). The first
+        signal goes to the ranks' step only (`--signal=TERM`; under mpirun, the batch shell, which passes it on): srun
+        answers a SIGTERM of its own by SIGKILLing every rank, which a plain scancel would have sent it."""
         request_cancel(job)
         record = read_record(job)
         if record is not None and self.state(job)[0] == "running":
-            self._run("scancel", record.launcher_id)
-            deadline = time.monotonic() + self.grace_seconds
-            while time.monotonic() < deadline and self.state(job)[0] == "running":
-                time.sleep(0.5)
+            found = self.slurm_state(record.launcher_id)
+            if found is not None and found[0] == "RUNNING":
+                batch = ["--batch"] if self.launch == "mpirun" else []
+                self._run("scancel", "--signal=TERM", *batch, record.launcher_id)
+                self._wait_finished(job)
+            if self.state(job)[0] == "running":
+                self._run("scancel", record.launcher_id)
+                self._wait_finished(job)
         mark_cancelled(job)
+
+    def _wait_finished(self, job: JobDir) -> None:
+        deadline = time.monotonic() + self.grace_seconds
+        while time.monotonic() < deadline and self.state(job)[0] == "running":
+            time.sleep(0.5)
 
     def stop_for_shutdown(self, jobs: Sequence[JobDir]) -> list[str]:
         """Nothing: SLURM jobs run on the cluster, independent of the control plane, which re-adopts them."""

@@ -1,4 +1,4 @@
-"""The sbatch script SlurmLauncher submits: resources from gpus/nodes/TP, signal before the limit, srun --mpi=pmix."""
+"""The sbatch script SlurmLauncher submits: resources from gpus/nodes/TP, signal before the limit, srun --mpi=none."""
 
 from __future__ import annotations
 
@@ -29,13 +29,14 @@ def test_gpu_job_asks_for_gpus_per_node_on_every_node(settings, new_job):
     assert d["nodes"] == "2"
     assert d["ntasks-per-node"] == "4"
     assert d["gres"] == "gpu:4"
-    assert d["signal"] == "B:TERM@120"
+    assert d["signal"] == "TERM@120"  # to the ranks' step: srun would answer a TERM of its own with SIGKILL
     assert d["time"] == str((3600 + 120 + 60) // 60)  # room for the final checkpoint after the signal
     assert d["output"] == str(job.logs_dir / "launcher.log")
     assert "8 ranks, tensor_parallel_size=2, data_parallel_size=4" in script
-    assert "srun --mpi=pmix --kill-on-bad-exit=1 bash -c 'export RANK=$SLURM_PROCID" in script
+    assert "srun --mpi=none --kill-on-bad-exit=1 bash -c 'export RANK=$SLURM_PROCID" in script
     assert f"exec \"$@\"' rank {sys.executable} -m scalarlm.training {job.root}" in script
-    assert "trap forward_term TERM" in script
+    assert "trap forward_term TERM" not in script
+    assert "grep -o 'NodeAddr=[^ ]*'" in script  # MASTER_ADDR: the first node's address, not only its name
 
 
 def test_cpu_job_asks_for_tasks_and_no_gpus(settings, new_job):
@@ -55,6 +56,7 @@ def test_mpirun_inside_the_allocation(settings, new_job):
     job, config = new_job(cpu_ranks=2)
     script = SlurmLauncher(settings, launch="mpirun").script(job, config)
     assert "mpirun -n 2 --bind-to none -x MASTER_ADDR -x MASTER_PORT" in script
+    assert directives(script)["signal"] == "B:TERM@120" and "trap forward_term TERM" in script  # the ranks: mpirun's
     assert "OMPI_ALLOW_RUN_AS_ROOT=1" in script
 
 
