@@ -220,13 +220,10 @@ class WeightsManager:
 
     async def _reload(self, path: Path) -> None:
         """vLLM's `reload_weights` from `path` (`reload_checkpoint`: under LoRA's wrapped names where the model's
-        loader needs them), then what it leaves stale (inference/worker_extension.py): a tied
+        loader needs them), then what it leaves stale (inference/worker_extension.py): attention sinks, a tied
         output layer's packed copy and, on CPU, a mixture-of-experts model's prepacked fused experts."""
-        llm = self.engine.llm
-        await llm.collective_rpc("reload_checkpoint", kwargs={"weights_path": str(path)})
-        await llm.collective_rpc("refresh_embedding_kernels")
-        if engine_device() == "cpu" and checkpoint_experts(path):
-            await llm.collective_rpc("reload_fused_experts", kwargs={"weights_path": str(path)})
+        for method, kwargs in reload_calls(path):
+            await self.engine.llm.collective_rpc(method, kwargs=kwargs)
 
     async def _merge(self, name: str, version: int) -> Path:
         """The adapter `name` v`version` merged into the base, written once under the worker's home (off the event
@@ -358,6 +355,17 @@ class WeightsManager:
                 task = asyncio.get_running_loop().create_task(self.engine.llm.remove_lora(adapter.request.lora_int_id))
                 task.add_done_callback(_log_failure)
         self._retired = keep
+
+
+def reload_calls(path: Path) -> list[tuple[str, dict[str, str]]]:
+    """The worker methods (and their kwargs) a full-weight swap to the checkpoint in `path` calls, in order (see
+    `WeightsManager._reload`)."""
+    calls: list[tuple[str, dict[str, str]]] = [("reload_checkpoint", {"weights_path": str(path)}),
+                                               ("reload_attention_sinks", {"weights_path": str(path)}),
+                                               ("refresh_embedding_kernels", {})]  # fmt: skip
+    if engine_device() == "cpu" and checkpoint_experts(path):
+        calls.append(("reload_fused_experts", {"weights_path": str(path)}))
+    return calls
 
 
 def _unswappable(path: Path, base: Path) -> str | None:

@@ -23,6 +23,12 @@ prepacked for the grouped GEMM, a step only the first load runs. This loads the 
 the model's own `load_weights` (its expert mapping) and prepacks them again (measured: served tokens then equal
 `transformers` on the new checkpoint, as a fresh engine's do).
 
+`reload_attention_sinks`: after `reload_weights` of a checkpoint with attention sinks (gpt-oss). vLLM 0.32.0's
+gpt-oss loader copies each layer's `sinks` straight into the parameter, past any weight loader, so the layerwise
+reload sees no load and puts the old sinks back (measured: after a swap the sinks were the base's and the served
+logprobs differed from `transformers` on the new checkpoint; a fresh engine's equal them). This loads them through
+the model's own `load_weights` once the reload is done. Not CPU-specific.
+
 This module is imported inside vLLM's worker processes: it imports vLLM names through `vllm_api` only.
 """
 
@@ -80,6 +86,14 @@ class ScalarLMWorkerExtension:
         for layer in layers:
             layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
         return len(layers)
+
+
+    def reload_attention_sinks(self, weights_path: str) -> int:
+        """Load the attention sinks of the checkpoint in `weights_path` (see the module docstring); how many."""
+        sinks = list(_checkpoint_tensors(weights_path, lambda name: name.endswith(".sinks")))
+        if sinks:
+            self.model_runner.model.load_weights(iter(sinks))
+        return len(sinks)
 
 
 def _checkpoint_tensors(weights_path: str,
