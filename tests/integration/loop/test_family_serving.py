@@ -1,17 +1,21 @@
-"""Each new family through the whole loop: a real `scalarlm serve` (vLLM worker, local megatron trainer) per family.
+"""Each family served like transformers, by two checks.
 
-Two SFT jobs (full weights and LoRA, training side by side) publish checkpoints that open in `transformers` (PEFT
-for the adapter); the served greedy answer for each job, after the hot swap, equals `transformers` greedy on that
-checkpoint, and so does each chosen token's logprob (but where another family's job checks the same serving path:
-SFT_CHECKED_BY, LORA_CHECKED_BY). One GRPO step trains and publishes for qwen3, qwen3-moe and deepseek-v3
-(GRPO_FAMILIES): the rest of the dense families' GRPO path is their SFT forward (a token's logprob is minus its
-cross-entropy), which their SFT jobs here and test_family_parity check, and the loss itself is family-blind
-(tests/unit/training/test_grpo.py, test_grpo_padding_free). One module-scoped server per family (the next family's
-boots while this one's tests run), a few steps per job. On a mixture-of-experts model (MOE) an adapter targets the
-attention (an expert target is a 400) and, as on StableLM, the CPU engine has no LoRA slots: the adapter is served
-merged into the base (qwen3-moe's job checks that path for all of them). DeepSeek's latent attention takes no
-adapter (LORA_REFUSED: a 400 naming adapter_type). A MoE GRPO job (qwen3-moe's with and without routing replay,
-deepseek-v3's with it) takes two steps per batch and reports the changed-routing fraction.
+Every family (FAMILIES): the vLLM engine `scalarlm serve` builds for its tiny model (our settings' flags), run in one
+process for all of them (family_engine_check.py): greedy answers and each chosen token's logprob equal transformers'
+on the base and, after a full-weight swap by the worker calls the hot swap makes, on a perturbed checkpoint under the
+checkpoint's names (the names the trainer exports: the mcore -> HF round trip is bit-exact in test_family_parity).
+
+The whole loop on one family per distinct serving path (LOOP_FAMILIES): a real `scalarlm serve` per family (the next
+family's boots while this one's tests run). Two SFT jobs (full weights and LoRA, training side by side) publish
+checkpoints that open in `transformers` (PEFT for the adapter); the served greedy answer for each job, after the hot
+swap, equals `transformers` greedy on that checkpoint, and so does each chosen token's logprob. One GRPO step trains
+and publishes for qwen3, qwen3-moe and deepseek-v3 (GRPO_FAMILIES): the rest of the dense families' GRPO path is their
+SFT forward (a token's logprob is minus its cross-entropy), which test_family_parity checks, and the loss itself is
+family-blind (tests/unit/training/test_grpo.py, test_grpo_padding_free). On a mixture-of-experts model (MOE) an
+adapter targets the attention (an expert target is a 400) and the CPU engine has no LoRA slots: the adapter is served
+merged into the base. DeepSeek's latent attention takes no adapter (LORA_REFUSED: a 400 naming adapter_type). A MoE
+GRPO job (qwen3-moe's with and without routing replay, deepseek-v3's with it) takes two steps per batch and reports the
+changed-routing fraction.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import pytest
 import scalarlm
 from scalarlm.cli.tiny_model import FAMILY_TINY_MODELS
 
+from hf_greedy import PROMPTS, TOKENS, hf_greedy
+
 pytestmark = pytest.mark.slow
 
 FAMILIES = ["qwen3", "qwen3-yarn", "llama3", "phi3", "phi4-mini", "mistral", "smollm3", "gemma", "gemma2", "gemma3",
@@ -35,6 +41,12 @@ FAMILIES = ["qwen3", "qwen3-yarn", "llama3", "phi3", "phi4-mini", "mistral", "sm
             "command-r-plus", "cohere2", "gpt-neox", "phi", "stablelm", "gemma3-mm"]  # fmt: skip
 # (cohere: vLLM serves it with Command R+'s module and names, without the q/k norms; test_family_parity checks its
 # training)
+# Through the whole loop (the suite's time: a server boot per family): the reference dense family; fused q/k/v and
+# gate/up projections (phi3); GPT-NeoX's fused, head-interleaved query_key_value; vLLM's Transformers backend (olmo2);
+# a multimodal checkpoint's language model (gemma3-mm); a mixture of experts with its adapter served merged
+# (qwen3-moe); multi-head latent attention (deepseek-v3); a checkpoint that trains with dropout, through the Tinker
+# API (seed-oss).
+LOOP_FAMILIES = ["qwen3", "phi3", "gpt-neox", "olmo2", "gemma3-mm", "qwen3-moe", "deepseek-v3", "seed-oss"]
 MOE = {"qwen3-moe", "qwen2-moe", "mixtral", "glm4-moe", "deepseek-v3", "moonlight", "deepseek-v2-lite", "olmoe",
        "granite-moe", "gpt-oss"}  # fmt: skip
 # LoRA refused at submission: no adapter rule for multi-head latent attention
@@ -43,28 +55,8 @@ LORA_REFUSED = {"deepseek-v3", "moonlight", "deepseek-v2-lite"}
 # deepseek-v3's grouped sigmoid routing with shared experts. Every MoE model's replay is checked layer by layer in
 # test_moe_parity (moe_replay_check.py), and a GRPO job publishes through the same export as the SFT job here.
 GRPO_FAMILIES = {"qwen3", "qwen3-moe", "deepseek-v3"}
-# Variants whose trained weights and adapters vLLM loads by the same module and names as the family they vary (their
-# RoPE is what differs, which their base test checks): their SFT jobs would repeat that family's.
-# (Moonlight: DeepSeek-V3's module and names but one `q_proj`, the path deepseek-v2-lite's job takes in that module.)
-VARIANTS = {"qwen3-yarn": "qwen3", "phi4-mini": "phi3", "moonlight": "deepseek-v3"}
-# Families vLLM 0.32.0 serves on its Transformers backend (transformers' own modules; checked against vLLM's registry
-# below). A full-weight step reloads by the checkpoint's names, which are the base's (the round trip in
-# test_family_parity is bit-exact) and so the names the boot loaded: olmo2's full job checks that reload for all.
-TRANSFORMERS_BACKEND = ("olmo2", "smollm3", "olmo3", "glm", "seed-oss", "starcoder2", "arcee", "hunyuan", "gpt-neox",
-                        "phi")  # fmt: skip
-SFT_CHECKED_BY = {**VARIANTS, **dict.fromkeys(TRANSFORMERS_BACKEND[1:], "olmo2")}
-# Adapters the backend loads on the same kind of Linear layers under the same PEFT names: olmo2's LoRA job checks
-# q/k/v/o_proj and a gated gate/up/down_proj, starcoder2's an ungated MLP's two projections (Arcee's up/down_proj,
-# Phi's fc1/fc2). GLM's fused gate_up_proj and GPT-NeoX's fused, head-interleaved query_key_value keep their own jobs.
-LORA_CHECKED_BY = {**VARIANTS, **dict.fromkeys(("olmo3", "smollm3", "seed-oss", "hunyuan"), "olmo2"),
-                   **dict.fromkeys(("arcee", "phi"), "starcoder2"),
-                   "cohere2": "command-r-plus",  # (vLLM's Command R module, the same adapter names)
-                   # Served merged into the base (no LoRA slots on this engine: `engine.lora_enabled`), by the same
-                   # merge and full-weight swap whatever the family (attention adapters; = PEFT in test_family_parity)
-                   **dict.fromkeys(sorted(MOE - LORA_REFUSED - {"qwen3-moe"}) + ["stablelm"], "qwen3-moe")}
-PROMPTS = ["What is the capital of France?", "What do bees make?", "What colour is the sky?"]
+HERE = Path(__file__).parent
 FACTS = [{"input": p, "output": o} for p, o in zip(PROMPTS, [" Paris", " honey", " blue"])]
-TOKENS = 6
 TRAIN = {"max_steps": 4, "learning_rate": 1e-2, "steps_per_checkpoint": 4, "max_seq_len": 64, "dtype": "float32"}
 
 
@@ -84,10 +76,10 @@ def _launch(name: str, tmp_path_factory: pytest.TempPathFactory, steps: Any) -> 
 def _next_selected(session: pytest.Session, name: str) -> str | None:
     """The family after `name` whose tests this run selected (None: none)."""
     chosen = {item.callspec.params.get("family_server") for item in session.items if hasattr(item, "callspec")}
-    return next((f for f in FAMILIES[FAMILIES.index(name) + 1 :] if f in chosen), None)
+    return next((f for f in LOOP_FAMILIES[LOOP_FAMILIES.index(name) + 1 :] if f in chosen), None)
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=LOOP_FAMILIES)
 def family_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
                   serve_steps: Any) -> Iterator[tuple[str, str, Path]]:  # fmt: skip
     """(family, URL, base model dir) of a real `scalarlm serve` whose base is the family's tiny model; once it is up,
@@ -113,52 +105,14 @@ def _no_server_left_booting(serve_steps: Any) -> Iterator[None]:
         serve_steps.stop(launch)
 
 
-def _hf_greedy(base: Path, checkpoint: Path) -> tuple[list[str], list[list[float]]]:
-    """`transformers` greedy completions on the published checkpoint (PEFT over the base for an adapter), and each
-    chosen token's logprob."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    lora = (checkpoint / "adapter_config.json").exists()
-    # Eager attention: HF's SDPA path drops Gemma 2's attention soft cap (vLLM applies it).
-    model: Any = AutoModelForCausalLM.from_pretrained(base if lora else checkpoint, dtype=torch.float32,
-                                                      attn_implementation="eager")  # fmt: skip
-    if lora:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, checkpoint)
-    model.eval()
-    for module in model.modules():  # vLLM 0.32.0 holds xIELU's scalars (Apertus's) in bf16 whatever the model's dtype,
-        if type(module).__name__ == "XIELUActivation":  # and computes their softplus there
-            module.to(torch.bfloat16)
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    answers, logprobs = [], []
-    for prompt in PROMPTS:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=TOKENS, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True)  # fmt: skip
-        chosen = out.sequences[0, ids.shape[1] :]
-        answers.append(tokenizer.decode(chosen, skip_special_tokens=True))
-        steps = torch.log_softmax(torch.cat(out.logits).double(), -1)
-        logprobs.append(steps.gather(1, chosen[:, None])[:, 0].tolist())
-    return answers, logprobs
-
-
 @pytest.fixture(scope="module")
 def sft_jobs(family_server: tuple[str, str, Path]) -> dict[str, Any]:
-    """The family's SFT jobs, full weights and (but for MOE) LoRA, submitted together when the module's first test
-    starts: they train side by side while the base model is checked."""
+    """The family's SFT jobs, full weights and (but for LORA_REFUSED) LoRA, submitted together when the module's
+    first test starts: they train side by side while the base model is checked."""
     family, url, _ = family_server
     llm = scalarlm.ScalarLM(api_url=url, timeout=600)
-    kinds = [k for k in ("full", "lora")
-             if _checked_by(family, k) is None and not (k == "lora" and family in LORA_REFUSED)]  # fmt: skip
+    kinds = ["full"] if family in LORA_REFUSED else ["full", "lora"]
     return {kind: llm.train(FACTS, train_args={**TRAIN, "adapter_type": kind}) for kind in kinds}
-
-
-def _checked_by(family: str, adapter_type: str) -> str | None:
-    """The family whose SFT job of `adapter_type` checks this one's serving path (None: its own job does)."""
-    return (LORA_CHECKED_BY if adapter_type == "lora" else SFT_CHECKED_BY).get(family)
 
 
 def _served_like_transformers(url: str, base: Path, job: Any) -> None:
@@ -172,21 +126,45 @@ def _served_like_transformers(url: str, base: Path, job: Any) -> None:
     results = llm.generate(PROMPTS, model_name=job.id, max_tokens=TOKENS, temperature=0, return_details=True,
                            logprobs=0)  # fmt: skip
     assert [(r.model, r.version) for r in results] == [(job.id, step)] * len(PROMPTS)
-    answers, logprobs = _hf_greedy(base, checkpoint)
+    answers, logprobs = hf_greedy(base, checkpoint)
     assert [r.response for r in results] == [answer.rstrip("\ufffd") for answer in answers]  # (as the base test's)
     for result, expected in zip(results, logprobs, strict=True):
         assert result.logprobs == pytest.approx(expected, abs=1e-3), (result.logprobs, expected)
     assert min(map(len, logprobs)) >= 1
 
 
-def test_the_families_checked_by_olmo2_are_served_on_vllms_transformers_backend() -> None:
-    from vllm.model_executor.models.registry import ModelRegistry
+@pytest.fixture(scope="module")
+def engine_results(family_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """family_engine_check.py's result for every family, by name (one process for all)."""
+    import json
+    import subprocess
+    import sys
 
-    from scalarlm.training.families import BY_NAME
+    out = tmp_path_factory.mktemp("swapped")
+    models = [str(family_models[family]) for family in FAMILIES]
+    command = [sys.executable, str(HERE / "family_engine_check.py"), str(out), *models]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=HERE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line[len("RESULT ") :]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    return {row["model"]: row for row in rows}
 
-    for name in TRANSFORMERS_BACKEND:
-        for architecture in BY_NAME[FAMILY_TINY_MODELS[name]["family"]].architectures:
-            assert ModelRegistry.models[architecture].module_name.endswith(".transformers"), (name, architecture)
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_engine_serves_the_base_and_a_swapped_checkpoint_like_transformers(
+        engine_results: dict[str, dict], family_models: dict[str, Path], family: str) -> None:  # fmt: skip
+    """Greedy answers and each chosen token's logprob = transformers', on the base and after the full-weight swap
+    (which changed them: the swap took)."""
+    result = engine_results[family]
+    swapped = Path(result["swapped_dir"])
+    for served, checkpoint in (("base", family_models[family]), ("swapped", swapped)):
+        (answers, logprobs), (hf_answers, hf_logprobs) = result[served], hf_greedy(checkpoint, checkpoint)
+        # a random model's last token may end inside a UTF-8 character: transformers decodes it as U+FFFD, vLLM's
+        # incremental detokenizer holds the incomplete bytes back
+        assert [a.rstrip("\ufffd") for a in answers] == [a.rstrip("\ufffd") for a in hf_answers], served
+        for got, want in zip(logprobs, hf_logprobs, strict=True):
+            assert got == pytest.approx(want, abs=1e-3), (served, got, want)
+    base, after = result["base"][1], result["swapped"][1]
+    assert max(abs(a - b) for u, v in zip(base, after) for a, b in zip(u, v)) > 1e-2
 
 
 def test_the_base_model_is_served_like_transformers(family_server: tuple[str, str, Path],
@@ -199,7 +177,7 @@ def test_the_base_model_is_served_like_transformers(family_server: tuple[str, st
     results = llm.generate(PROMPTS, max_tokens=TOKENS, temperature=0, return_details=True)
     # a random model's last token may end inside a UTF-8 character: transformers decodes it as U+FFFD, vLLM's
     # incremental detokenizer holds the incomplete bytes back
-    expected = [answer.rstrip("\ufffd") for answer in _hf_greedy(base, base)[0]]
+    expected = [answer.rstrip("\ufffd") for answer in hf_greedy(base, base)[0]]
     assert [r.response.rstrip("\ufffd") for r in results] == expected
     assert any(answer.strip() for answer in expected)
 
@@ -217,8 +195,6 @@ def test_sft_job_is_served_like_transformers(family_server: tuple[str, str, Path
             llm.train(FACTS, train_args={**TRAIN, "adapter_type": "lora"})
         assert e.value.param == "train_args"
         return
-    if (other := _checked_by(family, adapter_type)) is not None:
-        pytest.skip(f"{family}: its {adapter_type} serving path is {other}'s, whose job checks it (*_CHECKED_BY)")
     if family in MOE and adapter_type == "lora":  # the attention only: an expert adapter is refused at submission
         from scalarlm.protocol.errors import InvalidRequest
 
@@ -232,10 +208,7 @@ def test_sft_job_is_served_like_transformers(family_server: tuple[str, str, Path
 def test_one_grpo_step_trains_and_publishes(family_server: tuple[str, str, Path]) -> None:
     family, url, _ = family_server
     if family not in GRPO_FAMILIES:
-        jobs = f"{VARIANTS[family]}'s SFT jobs" if family in VARIANTS else "the SFT jobs"
-        if family in MOE:
-            jobs += "; its routing replay by test_moe_parity"
-        pytest.skip(f"{family}: its GRPO forward is its SFT forward, checked by {jobs} (see the docstring)")
+        pytest.skip(f"{family}: its GRPO forward is its SFT forward, checked by its SFT jobs (see the docstring)")
     llm = scalarlm.ScalarLM(api_url=url, timeout=600)
     rows = [{"prompt": PROMPTS[0], "completion": c, "reward": r} for c, r in ((" Paris", 1.0), (" Rome", 0.0))]
     if family not in MOE:
