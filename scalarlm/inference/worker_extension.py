@@ -87,7 +87,6 @@ class ScalarLMWorkerExtension:
             layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
         return len(layers)
 
-
     def reload_attention_sinks(self, weights_path: str) -> int:
         """Load the attention sinks of the checkpoint in `weights_path` (see the module docstring); how many."""
         sinks = list(_checkpoint_tensors(weights_path, lambda name: name.endswith(".sinks")))

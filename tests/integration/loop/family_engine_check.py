@@ -1,8 +1,9 @@
 """For each model directory given: the vLLM engine `scalarlm serve` builds for it (our settings' defaults through
 `engine.parse_serve_args`, so the same flags: dtype, LoRA slots, CPU rotary, Transformers backend), run in this
 process; its greedy answers and each chosen token's logprob, then the same after a full-weight swap (the worker calls
-of `hot_swap.reload_calls`, then a prefix-cache reset) to a perturbed copy of the checkpoint written under the same names (OUT_DIR/<model's
-name>). Prints one `RESULT {json}` line per model. Usage: family_engine_check.py OUT_DIR MODEL_DIR...
+of `hot_swap.reload_calls`, then a prefix-cache reset) to a perturbed copy of the checkpoint written under the same
+names (OUT_DIR/<model's name>). Prints one `RESULT {json}` line per model.
+Usage: family_engine_check.py OUT_DIR MODEL_DIR...
 (transformers' references are computed elsewhere: vLLM's Transformers backend patches transformers' model classes in
 the process that runs it.)
 """

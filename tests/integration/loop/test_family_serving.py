@@ -20,6 +20,9 @@ changed-routing fraction.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -136,10 +139,6 @@ def _served_like_transformers(url: str, base: Path, job: Any) -> None:
 @pytest.fixture(scope="module")
 def engine_results(family_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """family_engine_check.py's result for every family, by name (one process for all)."""
-    import json
-    import subprocess
-    import sys
-
     out = tmp_path_factory.mktemp("swapped")
     models = [str(family_models[family]) for family in FAMILIES]
     command = [sys.executable, str(HERE / "family_engine_check.py"), str(out), *models]
