@@ -221,7 +221,8 @@ class WeightsManager:
     async def _reload(self, path: Path) -> None:
         """vLLM's `reload_weights` from `path` (`reload_checkpoint`: under LoRA's wrapped names where the model's
         loader needs them), then what it leaves stale (inference/worker_extension.py): attention sinks, a tied
-        output layer's packed copy and, on CPU, a mixture-of-experts model's prepacked fused experts."""
+        output layer's packed copy, fused experts a model's loader writes past any weight loader and, on CPU, the
+        experts' prepacked copy."""
         for method, kwargs in reload_calls(path):
             await self.engine.llm.collective_rpc(method, kwargs=kwargs)
 
@@ -363,7 +364,7 @@ def reload_calls(path: Path) -> list[tuple[str, dict[str, str]]]:
     calls: list[tuple[str, dict[str, str]]] = [("reload_checkpoint", {"weights_path": str(path)}),
                                                ("reload_attention_sinks", {"weights_path": str(path)}),
                                                ("refresh_embedding_kernels", {})]  # fmt: skip
-    if engine_device() == "cpu" and checkpoint_experts(path):
+    if checkpoint_experts(path):
         calls.append(("reload_fused_experts", {"weights_path": str(path)}))
     return calls
 

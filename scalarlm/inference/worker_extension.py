@@ -16,12 +16,18 @@ embedding but leaves that module's packed copy at the old weights, so every toke
 model's head (measured: served tokens differed from transformers on the new checkpoint until this ran). On a GPU the
 step does nothing for unquantized embeddings.
 
-`reload_fused_experts`: after `reload_weights` of a mixture-of-experts checkpoint on CPU. vLLM 0.32.0's layerwise
-reload sees no load into the fused experts (the model's loader writes them through the experts' own weight loader),
-logs "RoutedExperts: Failed to load weights" and puts the old tensors back; and the CPU experts keep their weights
-prepacked for the grouped GEMM, a step only the first load runs. This loads the checkpoint's expert tensors through
-the model's own `load_weights` (its expert mapping) and prepacks them again (measured: served tokens then equal
-`transformers` on the new checkpoint, as a fresh engine's do).
+`reload_fused_experts`: after `reload_weights` of a mixture-of-experts checkpoint. Two things the layerwise reload
+of vLLM 0.32.0 leaves stale. (1) A model whose loader copies its fused experts straight into the parameters, past
+any weight loader (gpt-oss with a bf16 checkpoint: `_load_weights_other`): the reload sees no load, logs
+"GptOssRoutedExperts: Failed to load weights" and puts the old tensors back, on any device. `reload_checkpoint`
+keeps a sample of each fused-experts layer's weights from before the reload; a layer whose sample did not change
+was not loaded, and the checkpoint's expert tensors are then loaded through the model's own `load_weights` and
+the layer's post-load step (`process_weights_after_loading`: padding, the backend's layout) run again on them,
+as vLLM's weight-update path does (it copies into the same storage). (2) On CPU the experts are prepacked for the
+grouped GEMM, a step the reload's own post-load processing skips (it runs only when the kernel is first built):
+every layer is prepacked again. Measured on CPU: served tokens and logprobs then equal `transformers` on the new
+checkpoint for every MoE family (as a fresh engine's do); the GPU branch of (1) is reasoned from vLLM's code, not
+run (no GPU with vLLM here).
 
 `reload_attention_sinks`: after `reload_weights` of a checkpoint with attention sinks (gpt-oss). vLLM 0.32.0's
 gpt-oss loader copies each layer's `sinks` straight into the parameter, past any weight loader, so the layerwise
@@ -50,6 +56,7 @@ class ScalarLMWorkerExtension:
         """Reload every weight from the checkpoint in `weights_path` (see the module docstring); whether the names
         were rewritten to LoRA's wrapped layers."""
         runner = self.model_runner
+        self._expert_samples = {name: _sample(layer.w13_weight) for name, layer in _fused_experts(runner.model)}
         if not getattr(self, "_lora_wrapped_names", False):
             try:
                 runner.reload_weights(weights_path=weights_path)
@@ -73,19 +80,22 @@ class ScalarLMWorkerExtension:
         return refreshed
 
     def reload_fused_experts(self, weights_path: str) -> int:
-        """Load the expert tensors of the checkpoint in `weights_path` into every fused-experts layer and prepack
-        them for the CPU kernel; the number of layers reloaded."""
-        from scalarlm.inference.vllm_api import RoutedExperts
-
+        """Reload the fused-experts layers `reload_checkpoint` left unchanged from the checkpoint in `weights_path`
+        and, on CPU, prepack every layer again (see the module docstring); the number of layers reloaded."""
         model = self.model_runner.model
-        layers = [m for m in model.modules() if isinstance(m, RoutedExperts)]
-        if not layers:
-            return 0
-
-        model.load_weights(_checkpoint_tensors(weights_path, lambda name: ".experts." in name))
-        for layer in layers:
-            layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
-        return len(layers)
+        layers = _fused_experts(model)
+        samples = getattr(self, "_expert_samples", {})
+        stale = [layer for name, layer in layers
+                 if name in samples and _sample(layer.w13_weight).equal(samples[name])]  # fmt: skip
+        if stale:
+            model.load_weights(_checkpoint_tensors(weights_path, lambda name: ".experts." in name))
+        on_cpu = self.model_runner.device.type == "cpu"
+        for _, layer in layers:
+            if on_cpu:
+                layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+            elif stale:  # a model's experts are loaded alike: all of its layers were left stale, or none
+                layer.quant_method.process_weights_after_loading(layer)
+        return len(stale)
 
     def reload_attention_sinks(self, weights_path: str) -> int:
         """Load the attention sinks of the checkpoint in `weights_path` (see the module docstring); how many."""
@@ -93,6 +103,19 @@ class ScalarLMWorkerExtension:
         if sinks:
             self.model_runner.model.load_weights(iter(sinks))
         return len(sinks)
+
+
+def _fused_experts(model: Any) -> list[tuple[str, Any]]:
+    """(name, layer) of every fused-experts layer of `model`."""
+    from scalarlm.inference.vllm_api import RoutedExperts
+
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, RoutedExperts)]
+
+
+def _sample(weight: Any) -> Any:
+    """A copy of up to 4,096 of `weight`'s elements spread over all of it: enough to tell whether a load changed it."""
+    flat = weight.detach().reshape(-1)
+    return flat[:: max(1, flat.numel() // 4096)].clone()
 
 
 def _checkpoint_tensors(weights_path: str,
