@@ -145,6 +145,32 @@ class TrainingSettings(BaseModel):
     # that overlaps generation (`max_staleness` >= 1) on an embedded node without GPUs, whose vLLM engine computes on
     # the same cores: there the trainer takes half of them (`trainer_cpu_threads`).
     cpu_threads: int = Field(0, ge=0)
+    # SLURM launcher: more sbatch options for every job, each written as an `#SBATCH` line of its script, e.g.
+    # ["--partition=gpu", "--account=ml", "--qos=high", "--cpus-per-task=12", "--mem=0", "--constraint=h100"]. The
+    # options the job's own size and lifecycle set (nodes, tasks, GPUs, time, signal, output, ...) are refused.
+    sbatch_options: list[str] = Field(default_factory=list)
+
+    @field_validator("sbatch_options")
+    @classmethod
+    def _sbatch_options(cls, options: list[str]) -> list[str]:
+        for option in options:
+            name = option.split("=", 1)[0].split()[0] if option.strip() else ""
+            if not name.startswith("-") or "\n" in option or "\r" in option:
+                raise ValueError(f"sbatch option {option!r} must be one option on one line, e.g. '--partition=gpu'")
+            name = name if name.startswith("--") else name[:2]  # -N2, -N 2
+            if name in SBATCH_SET_BY_JOB:
+                raise ValueError(f"sbatch option {option!r}: {name} is set from each job (its gpus, nodes, cpu_ranks "
+                                 "and timeout); leave it out")
+        return options
+
+
+# sbatch options the SLURM launcher derives from each job (launcher/sbatch_script.py), which `sbatch_options` may
+# not change.
+SBATCH_SET_BY_JOB = frozenset({
+    "--nodes", "--ntasks", "--ntasks-per-node", "--gres", "--gpus", "--gpus-per-node", "--gpus-per-task", "--time",
+    "--signal", "--output", "--error", "--open-mode", "--chdir", "--export", "--job-name", "--requeue",
+    "--no-requeue", "--array", "-N", "-n", "-G", "-t", "-o", "-e", "-D", "-J", "-a",
+})  # fmt: skip
 
 
 def default_hf_cache() -> Path:

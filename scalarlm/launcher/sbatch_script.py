@@ -43,7 +43,7 @@ ${task_lines}
 #SBATCH --chdir=${chdir}
 #SBATCH --export=ALL
 #SBATCH --no-requeue
-# scalarlm job ${job_id}: ${ranks} ranks, tensor_parallel_size=${tp}, data_parallel_size=${dp}
+${options}# scalarlm job ${job_id}: ${ranks} ranks, tensor_parallel_size=${tp}, data_parallel_size=${dp}
 ${notify_note}
 
 set -u
@@ -144,4 +144,5 @@ def render_sbatch(
         launch=launcher,
         trainer=shlex.join([python, *entry, job_root]),
         notify_note=NOTIFY_NOTE if notify else NO_NOTIFY_NOTE,
+        options="".join(f"#SBATCH {option}\n" for option in settings.training.sbatch_options),
     )

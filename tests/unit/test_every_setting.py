@@ -403,6 +403,13 @@ EVIDENCE: dict[str, list[str]] = {
         "tests/unit/training/test_cpu_threads.py::test_the_control_planes_counts_win_over_the_share_and_omp_num_threads_over_both",
         "tests/integration/loop/test_closed_loop.py::test_each_session_step_is_served_by_the_next_generate",
     ],
+    "Settings.training.sbatch_options": [
+        "tests/unit/launcher/test_sbatch_script.py::test_the_clusters_own_options_are_lines_of_every_jobs_script",
+        "tests/unit/launcher/test_sbatch_script.py::"
+        "test_an_option_the_job_sets_or_a_malformed_one_is_refused_at_startup",
+        "tests/integration/slurm/test_slurm_training.py::test_training_job_on_slurm_completes_and_publishes",
+        "tests/integration/slurm/test_slurm_training.py::test_a_partition_slurm_lacks_is_refused_with_sbatchs_reason",
+    ],
     "Settings.training.poll_seconds": ["tests/integration/loop/test_catalog.py::test_poll_picks_up_steps_without_a_notice"],
     "Settings.training.session_idle_seconds": [
         "tests/integration/loop/test_session_idle.py::test_idle_session_ends_itself_with_state_saved",

@@ -29,6 +29,8 @@ TRAIN_ARGS = {"launcher": "slurm", "gpus": 0, "cpu_ranks": 1, "max_steps": 2, "s
               "learning_rate": 1e-3, "max_seq_len": 64, "timeout": 600, "dtype": "float32"}  # fmt: skip
 # Two ranks (srun tasks, gloo) where the node has the CPUs: a job asking for more would pend for ever.
 RANKS = min(2, os.cpu_count() or 1)
+# The cluster's own options (training.sbatch_options), as a site adds its partition, account or CPUs per rank.
+SBATCH_OPTIONS = ["--comment=scalarlm-ci", "--cpus-per-task=1"]
 
 
 @pytest.fixture
@@ -36,7 +38,7 @@ def slurm_client(slurm_cluster, tiny_model_dir: Path, tmp_path: Path, monkeypatc
     """The real control plane with the SLURM launcher chosen in its settings."""
     monkeypatch.setenv("SLURM_CONF", str(slurm_cluster.conf))  # SlurmLauncher calls sbatch/squeue from PATH
     settings = Settings(home=tmp_path / "home", model=str(tiny_model_dir),
-                        training={"launcher": "slurm", "poll_seconds": 0.5})  # fmt: skip
+                        training={"launcher": "slurm", "poll_seconds": 0.5, "sbatch_options": SBATCH_OPTIONS})
     with TestClient(create_app(settings)) as client:
         yield client
 
@@ -66,6 +68,8 @@ def test_training_job_on_slurm_completes_and_publishes(slurm_cluster, slurm_clie
     job_root = Path(slurm_client.get(f"/v1/megatron/train/{job_id}").json()["job_status"]["job_directory"])
     record = read_record(JobDir(job_root))
     assert record is not None and record.launcher == "slurm"
+    held = slurm_cluster.run("scontrol", "show", "job", record.launcher_id)
+    assert "Comment=scalarlm-ci" in held and "NumCPUs=" in held, held  # the settings' sbatch options reached SLURM
 
     body = wait_for(slurm_client, job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=420)
     assert body["job_status"]["status"] == "COMPLETED", body
@@ -159,3 +163,23 @@ def test_a_lost_node_fails_the_job_with_the_reason_and_it_resumes(slurm_cluster,
         assert "resuming from the state saved at step" in client.get(f"/v1/megatron/train/{job_id}/logs").text
         client.post(f"/v1/megatron/cancel/{job_id}")
         wait_for(client, job_id, {"CANCELLED", "FAILED", "COMPLETED"}, timeout=120)
+
+
+def test_a_partition_slurm_lacks_is_refused_with_sbatchs_reason(slurm_cluster, tiny_model_dir: Path, tmp_path: Path,
+                                                                monkeypatch) -> None:
+    """sbatch_options naming a partition SLURM does not have: the submission answers 503 with sbatch's own reason,
+    leaves no job behind, and the server keeps serving."""
+    monkeypatch.setenv("SLURM_CONF", str(slurm_cluster.conf))
+    home = tmp_path / "home"
+    settings = Settings(home=home, model=str(tiny_model_dir),
+                        training={"launcher": "slurm", "sbatch_options": ["--partition=no-such-partition"]})
+    with TestClient(create_app(settings)) as client:
+        jsonl = "".join(json.dumps(r) + "\n" for r in ROWS).encode()
+        files = {"file": ("dataset", jsonl, "application/octet-stream"),
+                 "params": (None, json.dumps(TRAIN_ARGS), "application/json")}  # fmt: skip
+        response = client.post("/v1/megatron/train", files=files)
+        assert response.status_code == 503, response.text
+        assert "invalid partition" in response.json()["error"]["message"].lower(), response.text
+        assert list((home / "jobs").iterdir()) == []
+        models = client.get("/v1/megatron/list_models")
+        assert models.status_code == 200 and [m["kind"] for m in models.json()["models"]] == ["base"]

@@ -78,3 +78,29 @@ def test_script_is_valid_bash(settings, new_job, tmp_path):
     path = tmp_path / "sbatch.sh"
     path.write_text(SlurmLauncher(settings).script(job, config))
     assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+
+
+def test_the_clusters_own_options_are_lines_of_every_jobs_script(tmp_path, new_job):
+    options = ["--partition=gpu", "--account=ml", "--cpus-per-task=12", "--mem=0", "--constraint h100"]
+    settings = Settings(home=tmp_path / "home", training={"sbatch_options": options})
+    job, config = new_job(gpus=8, nodes=2)
+    script = SlurmLauncher(settings).script(job, config)
+    d = directives(script)
+    assert (d["partition"], d["account"], d["cpus-per-task"], d["mem"]) == ("gpu", "ml", "12", "0")
+    assert "#SBATCH --constraint h100\n" in script
+    assert d["nodes"] == "2" and d["gres"] == "gpu:8"  # the job's own still there
+    # before the first command: sbatch reads #SBATCH lines only up to it
+    first_command = script.index("\nset -u")
+    assert all(script.index(f"#SBATCH {o}") < first_command for o in options)
+    path = tmp_path / "sbatch.sh"
+    path.write_text(script)
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("option, refused", [("--ntasks=4", "--ntasks is set from each job"),
+                                             ("-N2", "-N is set from each job"), ("--time 60", "--time is set"),
+                                             ("--gres=gpu:a100:8", "--gres is set"), ("partition=gpu", "one option"),
+                                             ("--comment=a\n#SBATCH --nodes=9", "one option on one line")])  # fmt: skip
+def test_an_option_the_job_sets_or_a_malformed_one_is_refused_at_startup(tmp_path, option, refused):
+    with pytest.raises(ValueError, match=refused):
+        Settings(home=tmp_path / "home", training={"sbatch_options": [option]})
