@@ -50,12 +50,16 @@ SHARED_TRAINER_SHARE = 0.55
 SHARED_HEADROOM = 0.05
 # vLLM's CPU backend cannot size its KV cache from a memory fraction (it applies it to host RAM): it gets bytes.
 CPU_KV_CACHE_BYTES = 1 << 30
+# `engine.max_model_len` on CPU when unset (the KV cache above holds 256 sequences of it in float32 for small models).
+CPU_MAX_MODEL_LEN = 512
 
 
 class EngineSettings(BaseModel):
     """vLLM engine settings; CPU-safe defaults measured on a 2-core box (see ARCHITECTURE.md)."""
 
-    max_model_len: int = Field(512, ge=16)
+    # Context length (prompt + output). None: CPU_MAX_MODEL_LEN on CPU; on an accelerator the model's own context if
+    # its KV cache fits in the engine's memory share, else the longest that does (vLLM's `--max-model-len -1`).
+    max_model_len: int | None = Field(None, ge=16)
     # None: float32 on CPU (served outputs equal transformers' fp32 ones), "auto" on an accelerator (the checkpoint's
     # own dtype: the trainer's bf16 there) -- resolved where the engine starts (`inference.engine.engine_dtype`).
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None

@@ -9,7 +9,7 @@ from argparse import Namespace
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scalarlm.config import CPU_KV_CACHE_BYTES, EngineSettings, Settings, gpu_memory_split
+from scalarlm.config import CPU_KV_CACHE_BYTES, CPU_MAX_MODEL_LEN, Settings, gpu_memory_split
 from scalarlm.inference.load import LoadTracker, stat_logger_factory
 from scalarlm.inference.worker_extension import WORKER_EXTENSION
 from scalarlm.inference.vllm_api import (
@@ -97,17 +97,12 @@ def longrope_switch(config: dict, max_model_len: int) -> str | None:
             f"to serve as they do")  # fmt: skip
 
 
-def short_context(settings: Settings, config: dict, device: Device) -> str | None:
-    """Why an accelerator engine serves a short context, or None: `engine.max_model_len` at its default (512, the
-    CPU box's) for a model whose own context is longer. Not changed here: the control plane checks prompts against
-    the setting, and does not know the worker's device."""
-    length = settings.engine.max_model_len
-    own = int(config.get("max_position_embeddings") or 0)
-    if device == "cpu" or length != EngineSettings.model_fields["max_model_len"].default or own <= length:
-        return None
-    return (f"engine.max_model_len is {length}, its default (the CPU box's): the engine serves {length} tokens of "
-            f"this model's {own}, and a longer prompt is a 400; set engine.max_model_len (SCALARLM_MAX_MODEL_LEN) "
-            "to serve more")  # fmt: skip
+def engine_max_model_len(settings: Settings, device: Device) -> int:
+    """`engine.max_model_len`, or where it is None: CPU_MAX_MODEL_LEN on CPU, -1 on an accelerator (vLLM's auto-fit:
+    the model's own context if its KV cache fits in the engine's memory, else the longest that does)."""
+    if settings.engine.max_model_len is not None:
+        return settings.engine.max_model_len
+    return CPU_MAX_MODEL_LEN if device == "cpu" else -1
 
 
 def cpu_rotary_args(config: dict, device: Device) -> list[str]:
@@ -164,7 +159,7 @@ def serve_cli_args(settings: Settings, device: Device | None = None) -> list[str
         "--model", settings.model,
         "--served-model-name", settings.base_model_name,
         "--dtype", engine_dtype(settings, device),
-        "--max-model-len", str(eng.max_model_len),
+        "--max-model-len", str(engine_max_model_len(settings, device)),
         "--max-num-seqs", str(eng.max_num_seqs),
         *memory_cli_args(settings, device),
         "--tensor-parallel-size", str(eng.tensor_parallel_size),
@@ -203,10 +198,9 @@ def start_engine(settings: Settings) -> Engine:
     """Build the `AsyncLLM` (call inside the running event loop: vLLM starts its output task there)."""
     args = parse_serve_args(settings)
     config = checkpoint_config(settings.model) or {}
-    notes = longrope_switch(config, settings.engine.max_model_len), short_context(settings, config, engine_device())
-    for note in notes:
-        if note:
-            logger.warning("%s: %s", settings.model, note)
+    note = longrope_switch(config, engine_max_model_len(settings, engine_device()))
+    if note:
+        logger.warning("%s: %s", settings.model, note)
     engine_args = AsyncEngineArgs.from_cli_args(args)
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     tracker = LoadTracker(max_num_seqs=vllm_config.scheduler_config.max_num_seqs)
@@ -220,5 +214,7 @@ def start_engine(settings: Settings) -> Engine:
     # As vLLM's engine core does after its start: freeze vLLM's env lookups, which its per-token
     # bookkeeping would otherwise re-read from os.environ (~15% of the front end's CPU).
     enable_envs_cache()
+    # what the engine serves: our setting, or what vLLM chose for -1 (its core reports the fitted length at start)
+    tracker.max_model_len = int(llm.model_config.max_model_len)
     logger.info("vLLM engine up: model %s served as %s", settings.model, settings.base_model_name)
     return Engine(llm=llm, args=args, load=tracker)

@@ -18,8 +18,9 @@ logger = logging.getLogger(__name__)
 class LoadTracker:
     """What the engine is doing now: last scheduler stats plus this worker's in-flight sequences."""
 
-    def __init__(self, max_num_seqs: int) -> None:
+    def __init__(self, max_num_seqs: int, max_model_len: int | None = None) -> None:
         self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
         self.running = 0
         self.waiting = 0
         self.kv_cache_usage = 0.0
@@ -56,7 +57,8 @@ class LoadTracker:
         """
         total = self.in_flight
         if total == 0:
-            return EngineLoad(max_num_seqs=self.max_num_seqs, swaps=self.swaps, swap_seconds=self.swap_seconds)
+            return EngineLoad(max_num_seqs=self.max_num_seqs, swaps=self.swaps, swap_seconds=self.swap_seconds,
+                              max_model_len=self.max_model_len)  # fmt: skip
         running = min(self.running, total, self.max_num_seqs)
         return EngineLoad(
             running=running,
@@ -65,6 +67,7 @@ class LoadTracker:
             kv_cache_usage=self.kv_cache_usage,
             swaps=self.swaps,
             swap_seconds=self.swap_seconds,
+            max_model_len=self.max_model_len,
         )
 
 

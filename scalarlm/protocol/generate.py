@@ -260,6 +260,8 @@ class EngineLoad(BaseModel):
     # Hot-swap metrics: full-weight reloads done by this worker and the seconds they took in total.
     swaps: int = 0
     swap_seconds: float = 0.0
+    # The context length (prompt + output) the engine serves; None until it is known (the engine is not up).
+    max_model_len: int | None = None
 
     def free_slots(self) -> int:
         """Sequences the engine can start now without queueing inside itself."""

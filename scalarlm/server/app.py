@@ -118,6 +118,9 @@ async def _running(state: ServerState, worker: EmbeddedWorker | None) -> AsyncIt
             await remote.start()
             state.backend = remote
         state.backend_started = True
+        if state.backend is not None:  # prompts are checked against the context length the engine serves
+            backend = state.backend
+            state.prompts.engine_limit = lambda: backend.load().max_model_len
         housekeeping = asyncio.create_task(
             state.queue.housekeeping(settings.generate.result_retention_seconds, settings.generate.housekeeping_interval)
         )

@@ -62,7 +62,8 @@ class RemoteBackend:
     # ---- InferenceBackend -----------------------------------------------------------------------
 
     def load(self) -> EngineLoad:
-        """The sum over workers (a worker not heard from yet counts with the configured max_num_seqs)."""
+        """The sum over workers (a worker not heard from yet counts with the configured max_num_seqs); the
+        shortest context length any of them reported."""
         total = EngineLoad(running=0, waiting=0, max_num_seqs=0, kv_cache_usage=0.0)
         for load in self._loads.values():
             load = load or EngineLoad(max_num_seqs=self.default_max_num_seqs)
@@ -70,6 +71,8 @@ class RemoteBackend:
             total.waiting += load.waiting
             total.max_num_seqs += load.max_num_seqs
             total.kv_cache_usage = max(total.kv_cache_usage, load.kv_cache_usage)
+            if load.max_model_len is not None:  # a prompt must fit whichever worker leases it
+                total.max_model_len = min(total.max_model_len or load.max_model_len, load.max_model_len)
         total.max_num_seqs = max(1, total.max_num_seqs)
         return total
 

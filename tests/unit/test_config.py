@@ -20,7 +20,8 @@ def _clean_env(monkeypatch):
 def test_defaults_are_cpu_safe(tmp_path):
     s = load_settings()
     assert s.server.host == "127.0.0.1" and s.server.port == 8000
-    assert s.engine.max_model_len == 512 and s.engine.dtype is None  # float32 on CPU (test_engine_settings_flags)
+    # unset: float32 and 512 on CPU, the checkpoint's dtype and vLLM's auto-fitted context elsewhere
+    assert s.engine.max_model_len is None and s.engine.dtype is None  # (test_engine_settings_flags)
     assert s.home.is_absolute()
     assert s.queue_path == s.home / "queue.sqlite"
 

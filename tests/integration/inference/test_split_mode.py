@@ -72,7 +72,15 @@ async def test_batch_and_openai_through_split_mode(split: dict[str, str], vllm_e
         health = await client.get(f"{split['worker']}/health")
         assert health.status_code == 200
         load = (await client.get(f"{split['worker']}/load", headers=auth)).json()
-        assert load["max_num_seqs"] == 128
+        assert load["max_num_seqs"] == 128 and load["max_model_len"] == 512  # max_model_len unset: CPU's default
+
+        # The control plane knows no max_model_len of its own (unset): it checks prompts against the worker's.
+        long = {"prompts": ["short", "word " * 600], "max_tokens": 4}
+        refused = await client.post(f"{split['api']}/v1/generate", json=long)
+        assert refused.status_code == 400, refused.text
+        assert "prompts[1] is" in refused.text and "max_model_len is 512" in refused.text
+        too_many = await client.post(f"{split['api']}/v1/generate", json={"prompts": ["a"], "max_tokens": 513})
+        assert too_many.status_code == 400 and "max_model_len (512)" in too_many.text
 
         prompts = [f"Tell me about {i}" for i in range(20)]
         submitted = await client.post(f"{split['api']}/v1/generate", json={"prompts": prompts, "max_tokens": 4})

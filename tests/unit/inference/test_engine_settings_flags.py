@@ -38,6 +38,10 @@ def test_defaults_and_lora_off(tmp_path) -> None:
     # no dtype: float32 on CPU (above), the checkpoint's own on an accelerator, where the trainer trains in bf16
     assert _engine_args(tmp_path, "accelerator").dtype == "auto"
     assert _engine_args(tmp_path, "accelerator", engine={"dtype": "float16"}).dtype == "float16"
+    # no max_model_len: 512 on CPU (above), vLLM's auto-fit on an accelerator (the model's own context if its KV
+    # cache fits, else the longest that does); a given one on either
+    assert _engine_args(tmp_path, "accelerator").max_model_len == -1
+    assert _engine_args(tmp_path, "accelerator", engine={"max_model_len": 4096}).max_model_len == 4096
 
 
 def test_a_mixture_of_experts_model_on_cpu_gets_no_lora_slots(tmp_path) -> None:
@@ -91,19 +95,3 @@ def test_a_longrope_model_served_past_its_original_context_is_warned_about() -> 
     yarn = {"rope_parameters": {"rope_type": "yarn", "original_max_position_embeddings": 64}}
     assert longrope_switch(yarn, 512) is None
     assert longrope_switch({}, 512) is None
-
-
-def test_an_accelerator_engine_left_at_the_cpu_context_is_warned_about(tmp_path) -> None:
-    """max_model_len's default (512) is the CPU box's: on an accelerator, a model with a longer context is served
-    short unless the setting changes it, and the worker says so and how."""
-    from scalarlm.inference.engine import short_context
-
-    qwen = {"max_position_embeddings": 40960}
-    unset = Settings(model=str(tmp_path), home=tmp_path)
-    message = short_context(unset, qwen, "accelerator")
-    assert message is not None and "is 512, its default" in message and "of this model's 40960" in message
-    assert "SCALARLM_MAX_MODEL_LEN" in message
-    assert short_context(unset, qwen, "cpu") is None
-    assert short_context(unset, {"max_position_embeddings": 512}, "accelerator") is None
-    given = Settings(model=str(tmp_path), home=tmp_path, engine={"max_model_len": 4096})
-    assert short_context(given, qwen, "accelerator") is None

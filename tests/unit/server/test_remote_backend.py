@@ -15,12 +15,13 @@ from scalarlm.server.remote_backend import RemoteBackend
 SSE = b'data: {"id": "1"}\n\ndata: [DONE]\n\n'
 
 
-def worker_app(running: int) -> FastAPI:
+def worker_app(running: int, max_model_len: int | None = None) -> FastAPI:
     app = FastAPI()
 
     @app.get("/load")
     async def load() -> dict:
-        return {"running": running, "waiting": 0, "max_num_seqs": 8, "kv_cache_usage": 0.5}
+        return {"running": running, "waiting": 0, "max_num_seqs": 8, "kv_cache_usage": 0.5,
+                "max_model_len": max_model_len}  # fmt: skip
 
     @app.get("/health")
     async def health() -> dict:
@@ -72,3 +73,18 @@ async def test_unreachable_workers_are_503_and_count_with_configured_capacity() 
     with pytest.raises(EngineUnavailable):
         await empty.openai("models", {})
     await empty.close()
+
+
+async def test_the_context_length_is_the_shortest_any_worker_reports() -> None:
+    """A prompt must fit whichever worker leases it; a worker that reports none (not up yet) does not count."""
+    apps = {"http://w1": worker_app(1, 4096), "http://w2": worker_app(1, 2048), "http://w3": worker_app(1)}
+
+    async def route(request: httpx.Request) -> httpx.Response:
+        url = f"{request.url.scheme}://{request.url.host}"
+        return await httpx.ASGITransport(app=apps[url]).handle_async_request(request)
+
+    backend = RemoteBackend(list(apps), transport=httpx.MockTransport(route))
+    assert backend.load().max_model_len is None  # none heard from yet
+    await backend.refresh()
+    assert backend.load().max_model_len == 2048
+    await backend.close()

@@ -91,9 +91,10 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/get_server_capabilities")
 async def capabilities(request: Request) -> dict[str, Any]:
-    settings = get_state(request).settings
-    return {"supported_models": [{"model_name": settings.base_model_name, "max_context_length":
-                                  settings.engine.max_model_len, "trainable": True, "sampleable": True}]}  # fmt: skip
+    state = get_state(request)
+    length = state.prompts.max_model_len if state.prompts is not None else state.settings.engine.max_model_len
+    return {"supported_models": [{"model_name": state.settings.base_model_name, "max_context_length": length,
+                                  "trainable": True, "sampleable": True}]}  # fmt: skip
 
 
 @router.post("/client/config")
