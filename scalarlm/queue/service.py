@@ -154,7 +154,7 @@ class QueueService:
         return await asyncio.to_thread(self.queue.totals)
 
     async def clear(self) -> int:
-        """Delete every queued and leased item."""
+        """Fail every queued and leased item as cleared (their waiters see it at their next re-read)."""
         return await asyncio.to_thread(self.queue.clear)
 
     async def requeue_all_leased(self) -> int:

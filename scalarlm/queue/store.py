@@ -48,6 +48,8 @@ CREATE INDEX IF NOT EXISTS items_finished ON items (finished) WHERE finished IS 
 """
 
 FINISHED = ("completed", "failed")
+# The error of an item that clear_queue took out of the queue before a worker finished it.
+CLEARED = "cleared from the queue (clear_queue) before a worker finished it"
 # How long the oldest queued item may wait while workers keep to the weights they hold (then FIFO wins).
 AFFINITY_SECONDS = 5.0
 # SQLite's bound-parameter limit is large in 3.40, but small chunks keep statements cheap to plan.
@@ -263,10 +265,16 @@ class RequestQueue:
         with self._transaction() as cur:
             return self._expire(cur, time.time() if now is None else now)
 
-    def clear(self) -> int:
-        """Delete every queued and leased item (ScalarLM's clear_queue); returns how many."""
+    def clear(self, now: float | None = None) -> int:
+        """Fail every queued and leased item with CLEARED (ScalarLM's clear_queue); returns how many. No worker takes
+        them and a late result for one is ignored; a client reading them gets that error beside its finished results
+        (deleted, they made a whole get_results 404), and housekeeping purges them with the other finished items."""
         with self._transaction() as cur:
-            cur.execute("DELETE FROM items WHERE state IN ('queued', 'leased')")
+            cur.execute(
+                "UPDATE items SET state='failed', result=NULL, error=?, tokens=NULL, finished=?, lease_deadline=NULL "
+                "WHERE state IN ('queued', 'leased')",
+                (CLEARED, time.time() if now is None else now),
+            )
             return cur.rowcount
 
     def purge_finished(self, older_than: float) -> int:
@@ -351,8 +359,8 @@ class RequestQueue:
         now = time.time() if now is None else now
         count, tokens, first = self._reader().execute(
             "SELECT COUNT(*), COALESCE(SUM(tokens), 0), MIN(finished) FROM items "
-            "WHERE finished IS NOT NULL AND finished >= ?",
-            (now - window_seconds,),
+            "WHERE finished IS NOT NULL AND finished >= ? AND error IS NOT ?",  # cleared items were not served
+            (now - window_seconds, CLEARED),
         ).fetchone()
         seconds = max(now - first, 1.0) if first is not None else window_seconds
         return Throughput(count, tokens, seconds)

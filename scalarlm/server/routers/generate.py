@@ -136,7 +136,8 @@ async def metrics(queue: QueueDep) -> GenerateMetrics:
 
 @router.post("/clear_queue", response_model=ClearQueueResponse)
 async def clear_queue(queue: QueueDep) -> ClearQueueResponse:
-    """Drop every queued and leased item (finished results stay readable)."""
+    """Take every queued and leased item out of the queue: each becomes a failed result saying it was cleared
+    (finished results stay readable)."""
     return ClearQueueResponse(cleared=await queue.clear())
 
 

@@ -12,7 +12,7 @@ import pytest
 from scalarlm.protocol.errors import NotFound
 from scalarlm.protocol.generate import Completion, WorkResult
 from scalarlm.queue import RequestQueue
-from scalarlm.queue.store import batch_of
+from scalarlm.queue.store import CLEARED, batch_of
 
 
 def prompts(n: int, **sampling: object) -> list[dict]:
@@ -126,15 +126,24 @@ def test_per_item_model_overrides_batch_model(queue: RequestQueue) -> None:
     assert [i.model for i in queue.lease(10, "w")] == ["m"]
 
 
-def test_counts_and_clear_keep_finished_results(queue: RequestQueue) -> None:
+def test_clear_fails_what_is_queued_or_leased_and_keeps_finished_results(queue: RequestQueue) -> None:
     batch = queue.enqueue(prompts(4), "m")
     queue.lease(2, "w")
     queue.complete([result(batch.request_ids[0])])
     counts = queue.counts()
     assert (counts.queued, counts.leased, counts.completed, counts.failed) == (2, 1, 1, 0)
+    assert queue.throughput(60).requests == 1
     assert queue.clear() == 3
-    assert queue.counts().model_dump() == {"queued": 0, "leased": 0, "completed": 1, "failed": 0}
-    assert queue.get(batch.request_ids[:1])[0].response == "out"
+    assert queue.counts().model_dump() == {"queued": 0, "leased": 0, "completed": 1, "failed": 3}
+    # one read of the whole batch: the finished result and, for the rest, an error saying they were cleared
+    first, *cleared = queue.get(batch.request_ids)
+    assert first.response == "out" and first.status == "completed"
+    assert [(r.status, r.error, r.response) for r in cleared] == [("failed", CLEARED, None)] * 3
+    assert queue.lease(10, "w") == []
+    assert queue.complete([result(batch.request_ids[1], "late")]) == (0, 1)  # the leased one's late result: ignored
+    assert queue.get(batch.request_ids[1:2])[0].error == CLEARED
+    assert queue.batch_counts(batch.batch_id) == (4, 4)  # a download of the batch completes
+    assert queue.throughput(60).requests == 1  # cleared items were not served
 
 
 def test_batch_progress_partial(queue: RequestQueue) -> None:

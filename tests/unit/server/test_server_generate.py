@@ -191,7 +191,8 @@ async def test_worker_failure_is_reported_per_item(client: httpx.AsyncClient) ->
 
 
 async def test_generate_metrics_and_clear_queue(client: httpx.AsyncClient, work) -> None:
-    await client.post("/v1/generate", json={"prompts": ["a", "b", "c", "d"]})
+    submitted = await client.post("/v1/generate", json={"prompts": ["a", "b", "c", "d"]})
+    ids = [r["request_id"] for r in submitted.json()["results"]]
     await work(client, capacity=1)
     await client.post("/v1/generate/get_work", json={"capacity": 1})
     metrics = (await client.get("/v1/generate/metrics")).json()
@@ -199,4 +200,11 @@ async def test_generate_metrics_and_clear_queue(client: httpx.AsyncClient, work)
     assert metrics["queue_depth"] == 3 and metrics["total_completed"] == 1 and metrics["total_tokens"] == 2
     assert metrics["requests_per_second"] > 0 and metrics["tokens_per_second"] > 0
     assert (await client.post("/v1/generate/clear_queue")).json() == {"cleared": 3}
-    assert (await client.get("/v1/generate/metrics")).json()["queue_depth"] == 0
+    metrics = (await client.get("/v1/generate/metrics")).json()
+    assert metrics["queue_depth"] == 0 and metrics["queue"]["failed"] == 3 and metrics["total_completed"] == 1
+    # The batch reads back at once (no 404 for the cleared ids): the finished answer, then why the rest have none.
+    got = await client.post("/v1/generate/get_results", json={"request_ids": ids, "wait_seconds": 30})
+    assert got.status_code == 200, got.text
+    results = got.json()["results"]
+    assert [r["status"] for r in results] == ["completed", "failed", "failed", "failed"]
+    assert results[0]["response"] == "echo:a" and all("clear_queue" in r["error"] for r in results[1:])
