@@ -86,9 +86,10 @@ def resources(config: TrainJobConfig, settings: Settings) -> Resources:
     limit = settings.training.gpus_per_node
     if args.gpus and limit and args.gpus > limit:
         raise InvalidRequest(f"gpus {args.gpus} exceeds the {limit} GPUs of a node", param="gpus")
-    if args.gpus and args.tensor_parallel_size > args.gpus:
+    if args.gpus and args.gpus % args.tensor_parallel_size:  # ranks fill nodes in order: a group would straddle two
         raise InvalidRequest(
-            f"tensor_parallel_size {args.tensor_parallel_size} must fit in one node's {args.gpus} GPUs",
+            f"tensor_parallel_size {args.tensor_parallel_size} must fit in one node's {args.gpus} GPUs and divide them "
+            "(each tensor-parallel group stays within a node)",
             param="tensor_parallel_size",
         )
     seconds = min(args.timeout, settings.training.max_train_seconds) + SIGNAL_LEAD_SECONDS + 60

@@ -64,6 +64,10 @@ def test_tensor_parallel_group_must_fit_in_a_node(settings, new_job):
     job, config = new_job(gpus=2, nodes=2, tensor_parallel_size=4)
     with pytest.raises(InvalidRequest, match="tensor_parallel_size 4"):
         SlurmLauncher(settings).script(job, config)
+    # 3 GPUs a node, TP=2: ranks 2 and 3 would form a group across the two nodes
+    job, config = new_job(gpus=3, nodes=2, tensor_parallel_size=2)
+    with pytest.raises(InvalidRequest, match="tensor_parallel_size 2 must fit in one node's 3 GPUs and divide them"):
+        SlurmLauncher(settings).script(job, config)
 
 
 def test_gpus_beyond_a_node_are_refused(tmp_path, new_job):
