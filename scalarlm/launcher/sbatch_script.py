@@ -51,7 +51,9 @@ set -u
 first="$$(scontrol show hostnames "$$SLURM_JOB_NODELIST" | head -n 1)"
 addr="$$(scontrol -o show node "$$first" 2>/dev/null | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)"
 export MASTER_ADDR="$${addr:-$$first}"
-export MASTER_PORT=${port}
+# A port free on this host, the first node, where rank 0 listens (one picked on the control plane's host may be
+# taken here, e.g. by another job's rendezvous on the same node).
+export MASTER_PORT="$$(${python} -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')"
 export PYTHONUNBUFFERED=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 ${forward}
@@ -104,7 +106,7 @@ def resources(config: TrainJobConfig, settings: Settings) -> Resources:
 
 def render_sbatch(
     config: TrainJobConfig, settings: Settings, *, job_root: str, log: str, python: str,
-    entry: list[str], launch: str = "srun", port: int = 29500, notify: bool = False,
+    entry: list[str], launch: str = "srun", notify: bool = False,
 ) -> str:  # fmt: skip
     """The sbatch script text; `launch` is 'srun' (one task per rank) or 'mpirun' (inside the batch step).
 
@@ -141,7 +143,7 @@ def render_sbatch(
         ranks=res.ranks,
         tp=tp,
         dp=res.ranks // tp,
-        port=port,
+        python=shlex.quote(python),
         launch=launcher,
         trainer=shlex.join([python, *entry, job_root]),
         notify_note=NOTIFY_NOTE if notify else NO_NOTIFY_NOTE,

@@ -24,7 +24,7 @@ from scalarlm.launcher.base import (
     request_cancel,
     write_record,
 )
-from scalarlm.launcher.local import TRAINER_ENTRY, free_port, mark_cancelled
+from scalarlm.launcher.local import TRAINER_ENTRY, mark_cancelled
 from scalarlm.launcher.sbatch_script import render_sbatch
 from scalarlm.protocol.errors import EngineUnavailable
 from scalarlm.protocol.training import TrainJobConfig
@@ -62,7 +62,7 @@ class SlurmLauncher:
         """The sbatch script for `job`."""
         return render_sbatch(
             config, self.settings, job_root=str(job.root), log=str(log_path(job)), python=self.python,
-            entry=self.entry, launch=self.launch, port=free_port(),
+            entry=self.entry, launch=self.launch,
             notify=notify_url(self.settings, remote=True) is not None,
         )  # fmt: skip
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -37,6 +38,18 @@ def test_gpu_job_asks_for_gpus_per_node_on_every_node(settings, new_job):
     assert f"exec \"$@\"' rank {sys.executable} -m scalarlm.training {job.root}" in script
     assert "trap forward_term TERM" not in script
     assert "grep -o 'NodeAddr=[^ ]*'" in script  # MASTER_ADDR: the first node's address, not only its name
+
+
+def test_the_rendezvous_port_is_one_free_on_the_first_node(settings, new_job, tmp_path):
+    """Picked when the batch script runs (on the first node, where rank 0 listens), not on the control plane."""
+    job, config = new_job(gpus=0, cpu_ranks=2)
+    script = SlurmLauncher(settings).script(job, config)
+    start, end = script.index("export MASTER_PORT="), script.index("export PYTHONUNBUFFERED")
+    shell = subprocess.run(["bash", "-c", script[start:end] + 'echo "$MASTER_PORT"'], capture_output=True, text=True)
+    port = int(shell.stdout)
+    assert 1024 <= port < 65536
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # free here
 
 
 def test_cpu_job_asks_for_tasks_and_no_gpus(settings, new_job):
