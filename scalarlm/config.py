@@ -162,18 +162,23 @@ class TrainingSettings(BaseModel):
             if not name.startswith("-") or "\n" in option or "\r" in option:
                 raise ValueError(f"sbatch option {option!r} must be one option on one line, e.g. '--partition=gpu'")
             name = name if name.startswith("--") else name[:2]  # -N2, -N 2
-            if name in SBATCH_SET_BY_JOB:
+            # sbatch takes any unambiguous start of a long name: --sig=... is --signal
+            if name in SBATCH_REFUSED or (len(name) > 3 and any(r.startswith(name) for r in SBATCH_REFUSED)):
                 raise ValueError(f"sbatch option {option!r}: {name} is set from each job (its gpus, nodes, cpu_ranks "
-                                 "and timeout); leave it out")
+                                 "and timeout) or would keep the launcher from tracking it; leave it out")
         return options
 
 
-# sbatch options the SLURM launcher derives from each job (launcher/sbatch_script.py), which `sbatch_options` may
-# not change.
-SBATCH_SET_BY_JOB = frozenset({
-    "--nodes", "--ntasks", "--ntasks-per-node", "--gres", "--gpus", "--gpus-per-node", "--gpus-per-task", "--time",
-    "--signal", "--output", "--error", "--open-mode", "--chdir", "--export", "--job-name", "--requeue",
-    "--no-requeue", "--array", "-N", "-n", "-G", "-t", "-o", "-e", "-D", "-J", "-a",
+# sbatch options `sbatch_options` may not give: those the SLURM launcher derives from each job
+# (launcher/sbatch_script.py: its size, rank placement, time limit, signal, log), and those that would keep the launcher
+# from tracking the job (--wait blocks sbatch, --test-only submits nothing, --hold never starts it, --clusters hides it
+# from squeue, --wrap replaces the script).
+SBATCH_REFUSED = frozenset({
+    "--nodes", "--ntasks", "--ntasks-per-node", "--ntasks-per-gpu", "--ntasks-per-socket", "--ntasks-per-core",
+    "--distribution", "--gres", "--gpus", "--gpus-per-node", "--gpus-per-task", "--tres-per-task", "--time", "--signal",
+    "--output", "--error", "--open-mode", "--chdir", "--export", "--job-name", "--requeue", "--no-requeue", "--array",
+    "--wait", "--test-only", "--hold", "--clusters", "--wrap", "--parsable",
+    "-N", "-n", "-m", "-G", "-t", "-o", "-e", "-D", "-J", "-a", "-W", "-H", "-M",
 })  # fmt: skip
 
 

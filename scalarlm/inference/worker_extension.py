@@ -56,7 +56,7 @@ class ScalarLMWorkerExtension:
         """Reload every weight from the checkpoint in `weights_path` (see the module docstring); whether the names
         were rewritten to LoRA's wrapped layers."""
         runner = self.model_runner
-        self._expert_samples = {name: _sample(layer.w13_weight) for name, layer in _fused_experts(runner.model)}
+        self._expert_samples = {name: _sample(layer) for name, layer in _fused_experts(runner.model)}
         if not getattr(self, "_lora_wrapped_names", False):
             try:
                 runner.reload_weights(weights_path=weights_path)
@@ -85,10 +85,12 @@ class ScalarLMWorkerExtension:
         model = self.model_runner.model
         layers = _fused_experts(model)
         samples = getattr(self, "_expert_samples", {})
-        stale = [layer for name, layer in layers
-                 if name in samples and _sample(layer.w13_weight).equal(samples[name])]  # fmt: skip
+        stale = [layer for name, layer in layers if _unchanged(layer, samples.get(name))]
         if stale:
-            model.load_weights(_checkpoint_tensors(weights_path, lambda name: ".experts." in name))
+            tensors = _checkpoint_tensors(weights_path, lambda name: ".experts." in name)
+            if getattr(self, "_lora_wrapped_names", False):  # the model's loader needs LoRA's wrapped names
+                tensors = _wrapped_names(model, tensors)
+            model.load_weights(tensors)
         on_cpu = self.model_runner.device.type == "cpu"
         for _, layer in layers:
             if on_cpu:
@@ -112,10 +114,20 @@ def _fused_experts(model: Any) -> list[tuple[str, Any]]:
     return [(name, module) for name, module in model.named_modules() if isinstance(module, RoutedExperts)]
 
 
-def _sample(weight: Any) -> Any:
-    """A copy of up to 4,096 of `weight`'s elements spread over all of it: enough to tell whether a load changed it."""
+def _sample(layer: Any) -> Any:
+    """A copy of up to 4,096 of the layer's `w13_weight` elements spread over all of it (enough to tell whether a load
+    changed it); None where a backend replaced that weight (vLLM's MXFP4 kernels)."""
+    weight = getattr(layer, "w13_weight", None)
+    if weight is None:
+        return None
     flat = weight.detach().reshape(-1)
     return flat[:: max(1, flat.numel() // 4096)].clone()
+
+
+def _unchanged(layer: Any, before: Any) -> bool:
+    """Whether the layer's sample equals `before`, its sample from before the reload (False where either is None)."""
+    now = _sample(layer)
+    return before is not None and now is not None and bool(now.equal(before))
 
 
 def _checkpoint_tensors(weights_path: str,

@@ -88,6 +88,17 @@ def create_app(settings: Settings, worker: EmbeddedWorker | None = None) -> Fast
     return app
 
 
+def _served_length(state: ServerState) -> int | None:
+    """The context length the engines serve: the backend's (the embedded engine's; split mode: the shortest any
+    worker of `worker_urls` reported), else the shortest any pulling worker reported with its get_work."""
+    if state.backend is not None:
+        return state.backend.load().max_model_len
+    workers = state.queue.workers.values() if state.queue is not None else []
+    lengths = [seen.request.load.max_model_len for seen in workers
+               if seen.request.load is not None and seen.request.load.max_model_len is not None]  # fmt: skip
+    return min(lengths, default=None)
+
+
 @asynccontextmanager
 async def _running(state: ServerState, worker: EmbeddedWorker | None) -> AsyncIterator[None]:
     """Open the queue and the engine side for the app's lifetime; close them in reverse order."""
@@ -118,9 +129,7 @@ async def _running(state: ServerState, worker: EmbeddedWorker | None) -> AsyncIt
             await remote.start()
             state.backend = remote
         state.backend_started = True
-        if state.backend is not None:  # prompts are checked against the context length the engine serves
-            backend = state.backend
-            state.prompts.engine_limit = lambda: backend.load().max_model_len
+        state.prompts.engine_limit = lambda: _served_length(state)  # prompts are checked against what is served
         housekeeping = asyncio.create_task(
             state.queue.housekeeping(settings.generate.result_retention_seconds, settings.generate.housekeeping_interval)
         )

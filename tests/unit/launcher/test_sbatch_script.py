@@ -44,7 +44,7 @@ def test_the_rendezvous_port_is_one_free_on_the_first_node(settings, new_job, tm
     """Picked when the batch script runs (on the first node, where rank 0 listens), not on the control plane."""
     job, config = new_job(gpus=0, cpu_ranks=2)
     script = SlurmLauncher(settings).script(job, config)
-    start, end = script.index("export MASTER_PORT="), script.index("export PYTHONUNBUFFERED")
+    start, end = script.index("\nMASTER_PORT="), script.index("export PYTHONUNBUFFERED")
     shell = subprocess.run(["bash", "-c", script[start:end] + 'echo "$MASTER_PORT"'], capture_output=True, text=True)
     port = int(shell.stdout)
     assert 1024 <= port < 65536
@@ -109,6 +109,11 @@ def test_the_clusters_own_options_are_lines_of_every_jobs_script(tmp_path, new_j
     # before the first command: sbatch reads #SBATCH lines only up to it
     first_command = script.index("\nset -u")
     assert all(script.index(f"#SBATCH {o}") < first_command for o in options)
+    # srun (SLURM >= 22.05) takes --cpus-per-task from SRUN_CPUS_PER_TASK only: the script passes the option on
+    start, end = script.index("\nif [ -n \"${SLURM_CPUS_PER_TASK"), script.index("export PYTHONUNBUFFERED")
+    shell = subprocess.run(["bash", "-c", "set -u" + script[start:end] + 'echo "${SRUN_CPUS_PER_TASK:-unset}"'],
+                           env={"SLURM_CPUS_PER_TASK": "12", "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+    assert shell.stdout.strip() == "12", shell.stderr
     path = tmp_path / "sbatch.sh"
     path.write_text(script)
     assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
@@ -117,7 +122,10 @@ def test_the_clusters_own_options_are_lines_of_every_jobs_script(tmp_path, new_j
 @pytest.mark.parametrize("option, refused", [("--ntasks=4", "--ntasks is set from each job"),
                                              ("-N2", "-N is set from each job"), ("--time 60", "--time is set"),
                                              ("--gres=gpu:a100:8", "--gres is set"), ("partition=gpu", "one option"),
-                                             ("--comment=a\n#SBATCH --nodes=9", "one option on one line")])  # fmt: skip
+                                             ("--comment=a\n#SBATCH --nodes=9", "one option on one line"),
+                                             ("--sig=TERM@5", "--sig is set"),  # sbatch reads it as --signal
+                                             ("--wait", "would keep the launcher from tracking it"),
+                                             ("-H", "-H is set"), ("--distribution=cyclic", "--distribution")])
 def test_an_option_the_job_sets_or_a_malformed_one_is_refused_at_startup(tmp_path, option, refused):
     with pytest.raises(ValueError, match=refused):
         Settings(home=tmp_path / "home", training={"sbatch_options": [option]})

@@ -208,3 +208,17 @@ async def test_generate_metrics_and_clear_queue(client: httpx.AsyncClient, work)
     results = got.json()["results"]
     assert [r["status"] for r in results] == ["completed", "failed", "failed", "failed"]
     assert results[0]["response"] == "echo:a" and all("clear_queue" in r["error"] for r in results[1:])
+
+
+async def test_prompts_are_checked_against_the_context_the_pulling_workers_serve(client: httpx.AsyncClient) -> None:
+    """No backend here (workers only pull): the shortest max_model_len a worker reported with its get_work bounds
+    max_tokens and prompts at submission, ahead of the setting (64 in these tests)."""
+    assert (await client.post("/v1/generate", json={"prompts": ["a"], "max_tokens": 40})).status_code == 200
+    for worker, length in (("w-long", 4096), ("w-short", 32)):
+        reply = await client.post("/v1/generate/get_work", json={"worker_id": worker, "capacity": 0,
+                                                                 "load": {"max_model_len": length}})  # fmt: skip
+        assert reply.status_code == 200, reply.text
+    refused = await client.post("/v1/generate", json={"prompts": ["a"], "max_tokens": 40})
+    assert refused.status_code == 400 and "max_model_len (32)" in refused.text, refused.text
+    long = await client.post("/v1/generate", json={"prompts": ["hello world " * 20], "max_tokens": 4})
+    assert long.status_code == 400 and "max_model_len is 32" in long.text, long.text
