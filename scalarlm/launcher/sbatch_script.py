@@ -53,7 +53,8 @@ addr="$$(scontrol -o show node "$$first" 2>/dev/null | grep -o 'NodeAddr=[^ ]*' 
 export MASTER_ADDR="$${addr:-$$first}"
 # A port free on this host, the first node, where rank 0 listens (one picked on the control plane's host may be
 # taken here, e.g. by another job's rendezvous on the same node).
-MASTER_PORT="$$(${python} -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')" || exit 1
+MASTER_PORT="$$(${python} -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')" ||
+    exit 1
 export MASTER_PORT
 # srun (SLURM >= 22.05) no longer takes --cpus-per-task from the allocation: pass the sbatch option on to the ranks.
 if [ -n "$${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK="$$SLURM_CPUS_PER_TASK"; fi
