@@ -171,6 +171,7 @@ def test_rendered_settings_load_as_scalarlm_settings(rendered, monkeypatch):
     assert settings.model == values["model"]
     assert str(settings.home) == values["persistence"]["mountPath"]
     assert settings.engine.tensor_parallel_size == values["worker"]["tensorParallelSize"]
+    assert settings.engine.max_model_len == values["worker"]["maxModelLen"]  # null: vLLM's auto-fit
     assert settings.training.launcher == ("slurm" if values["slurm"]["enabled"] else "local")
     assert settings.server.api_url == "http://prod-scalarlm-api:8000"
 

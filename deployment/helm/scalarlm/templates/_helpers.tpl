@@ -83,7 +83,10 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{/* The scalarlm settings YAML (scalarlm/config.py's Settings), rendered from values. */}}
 {{- define "scalarlm.settings" -}}
 {{- $server := dict "port" (int .Values.api.port) "api_url" (include "scalarlm.apiUrl" .) "worker_urls" (list (include "scalarlm.workerUrl" .)) "worker_port" (int .Values.worker.port) -}}
-{{- $engine := dict "tensor_parallel_size" (int .Values.worker.tensorParallelSize) "gpu_memory_utilization" .Values.worker.gpuMemoryUtilization "max_model_len" (int .Values.worker.maxModelLen) "max_num_seqs" (int .Values.worker.maxNumSeqs) "dtype" .Values.worker.dtype "enforce_eager" .Values.worker.enforceEager "enable_lora" .Values.worker.enableLora -}}
+{{- $engine := dict "tensor_parallel_size" (int .Values.worker.tensorParallelSize) "gpu_memory_utilization" .Values.worker.gpuMemoryUtilization "max_num_seqs" (int .Values.worker.maxNumSeqs) "dtype" .Values.worker.dtype "enforce_eager" .Values.worker.enforceEager "enable_lora" .Values.worker.enableLora -}}
+{{- if .Values.worker.maxModelLen -}}
+{{- $_ := set $engine "max_model_len" (int .Values.worker.maxModelLen) -}}
+{{- end -}}
 {{- $training := dict "launcher" (ternary "slurm" "local" .Values.slurm.enabled) -}}
 {{- if .Values.slurm.enabled -}}
 {{- $_ := set $training "gpus_per_node" (int .Values.slurm.compute.gpusPerNode) -}}
