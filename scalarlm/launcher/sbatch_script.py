@@ -123,10 +123,13 @@ def render_sbatch(
     else:
         task_lines = f"#SBATCH --ntasks={res.ranks}"
     if launch == "srun":
-        # srun names each task by SLURM_* variables; the trainer reads torchrun's names when not under mpirun.
+        # srun names each task by SLURM_* variables; the trainer reads torchrun's names when not under mpirun
+        # (LOCAL_WORLD_SIZE: the ranks sharing a node's cores; a CPU job's --ntasks spread in blocks over its nodes).
+        local = res.tasks_per_node or math.ceil(res.ranks / res.nodes)
         launcher = (  # --mpi=none: the ranks rendezvous by torch.distributed, and need no PMI plugin on the cluster
             "srun --mpi=none --kill-on-bad-exit=1 bash -c "
-            "'export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID; exec \"$@\"' rank"
+            "'export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID "
+            f"LOCAL_WORLD_SIZE={local}; exec \"$@\"' rank"
         )
     elif launch == "mpirun":
         launcher = f"mpirun -n {res.ranks} --bind-to none -x MASTER_ADDR -x MASTER_PORT"

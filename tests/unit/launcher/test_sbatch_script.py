@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import socket
 import subprocess
 import sys
@@ -35,6 +36,13 @@ def test_gpu_job_asks_for_gpus_per_node_on_every_node(settings, new_job):
     assert d["output"] == str(job.logs_dir / "launcher.log")
     assert "8 ranks, tensor_parallel_size=2, data_parallel_size=4" in script
     assert "srun --mpi=none --kill-on-bad-exit=1 bash -c 'export RANK=$SLURM_PROCID" in script
+    # each task's torchrun names, as srun's environment gives them (LOCAL_WORLD_SIZE: the ranks on its node)
+    words = shlex.split(next(line for line in script.splitlines() if line.startswith("srun ")))
+    wrapper = words[words.index("-c") + 1]
+    task = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "PATH": "/usr/bin:/bin"}
+    shell = subprocess.run(["bash", "-c", wrapper, "rank", "env"], env=task, capture_output=True, text=True)
+    names = dict(line.split("=", 1) for line in shell.stdout.splitlines())
+    assert [names[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")] == ["5", "8", "1", "4"]
     assert f"exec \"$@\"' rank {sys.executable} -m scalarlm.training {job.root}" in script
     assert "trap forward_term TERM" not in script
     assert "grep -o 'NodeAddr=[^ ]*'" in script  # MASTER_ADDR: the first node's address, not only its name
