@@ -154,8 +154,10 @@ class QueueService:
         return await asyncio.to_thread(self.queue.totals)
 
     async def clear(self) -> int:
-        """Fail every queued and leased item as cleared (their waiters see it at their next re-read)."""
-        return await asyncio.to_thread(self.queue.clear)
+        """Fail every queued and leased item as cleared and wake everyone waiting for them; how many."""
+        cleared = await asyncio.to_thread(self.queue.clear)
+        self._watches.posted(cleared)
+        return len(cleared)
 
     async def requeue_all_leased(self) -> int:
         """Return leases held by a dead in-process worker to the queue."""

@@ -265,17 +265,17 @@ class RequestQueue:
         with self._transaction() as cur:
             return self._expire(cur, time.time() if now is None else now)
 
-    def clear(self, now: float | None = None) -> int:
-        """Fail every queued and leased item with CLEARED (ScalarLM's clear_queue); returns how many. No worker takes
+    def clear(self, now: float | None = None) -> list[str]:
+        """Fail every queued and leased item with CLEARED (ScalarLM's clear_queue); their request ids. No worker takes
         them and a late result for one is ignored; a client reading them gets that error beside its finished results
         (deleted, they made a whole get_results 404), and housekeeping purges them with the other finished items."""
         with self._transaction() as cur:
             cur.execute(
                 "UPDATE items SET state='failed', result=NULL, error=?, tokens=NULL, finished=?, lease_deadline=NULL "
-                "WHERE state IN ('queued', 'leased')",
+                "WHERE state IN ('queued', 'leased') RETURNING request_id",
                 (CLEARED, time.time() if now is None else now),
             )
-            return cur.rowcount
+            return [row[0] for row in cur.fetchall()]
 
     def purge_finished(self, older_than: float) -> int:
         """Delete finished items whose results were stored before the `older_than` timestamp."""

@@ -161,3 +161,20 @@ async def test_housekeeping_expires_leases_and_deletes_old_results(tmp_path: Pat
     with pytest.raises(NotFound):
         await svc.get(batch.request_ids[:1])
     svc.close()
+
+
+async def test_a_clear_wakes_the_long_polls_of_what_it_cleared(tmp_path: Path) -> None:
+    """get_results and a batch's wait return as soon as clear_queue fails their items, not at the next re-read."""
+    service = QueueService(RequestQueue(tmp_path / "q.sqlite"), recheck_interval=60)
+    batch = await service.enqueue([{"prompt": "a"}, {"prompt": "b"}], "m")
+    [item] = (await service.get_work(GetWorkRequest(capacity=1))).requests
+    await service.finish_work(FinishWorkRequest(results=[done(item.request_id, "A")]))
+    results = asyncio.create_task(service.wait_results(batch.request_ids, timeout=120))
+    counts = asyncio.create_task(service.wait_batch(batch.batch_id, timeout=120))
+    await asyncio.sleep(0.1)
+    assert not results.done() and not counts.done()
+    assert await service.clear() == 1
+    finished = await asyncio.wait_for(results, 30)  # (the re-read would come after 60 s)
+    assert [(r.status, r.response) for r in finished] == [("completed", "A"), ("failed", None)]
+    assert await asyncio.wait_for(counts, 30) == (2, 2)
+    service.close()
