@@ -18,9 +18,9 @@ logger = logging.getLogger(__name__)
 class LoadTracker:
     """What the engine is doing now: last scheduler stats plus this worker's in-flight sequences."""
 
-    def __init__(self, max_num_seqs: int, max_model_len: int | None = None) -> None:
+    def __init__(self, max_num_seqs: int) -> None:
         self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
+        self.max_model_len: int | None = None  # set once the engine has started (vLLM may fit it to memory)
         self.running = 0
         self.waiting = 0
         self.kv_cache_usage = 0.0
